@@ -1,0 +1,212 @@
+// Python bindings: ml_flashpoint_nemo._core.
+//
+// Every function that copies, checksums or waits on the kernel releases the GIL.
+// Operation lists come in as flat uint64 buffers (array.array('Q')) of triples
+// or pairs, which are cheap to build in Python for thousands of tensors.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <memory>
+#include <mutex>
+
+#include "copy_engine.hpp"
+#include "crc32c.hpp"
+#include "errors.hpp"
+#include "shm_buffer.hpp"
+
+namespace py = pybind11;
+using namespace flashpoint;
+
+namespace {
+
+template <typename Op, size_t Fields>
+std::vector<Op> ops_from_buffer(const py::buffer& flat) {
+  static_assert(sizeof(Op) == Fields * sizeof(uint64_t), "op layout must be packed uint64 fields");
+  py::buffer_info info = flat.request();
+  if (info.itemsize != sizeof(uint64_t) || info.ndim != 1 || (info.strides[0] != sizeof(uint64_t) && info.size > 1))
+    throw std::invalid_argument("operations must be a contiguous 1-d buffer of uint64 (array.array('Q'))");
+  if (info.size % Fields != 0)
+    throw std::invalid_argument("operation buffer length must be a multiple of " + std::to_string(Fields));
+  std::vector<Op> ops(static_cast<size_t>(info.size) / Fields);
+  if (!ops.empty()) std::memcpy(ops.data(), info.ptr, ops.size() * sizeof(Op));
+  return ops;
+}
+
+py::buffer_info request_readable(const py::buffer& data) {
+  py::buffer_info info = data.request();
+  if (info.ndim > 1) {
+    ssize_t expected = info.itemsize;
+    for (ssize_t d = info.ndim - 1; d >= 0; --d) {
+      if (info.strides[d] != expected) throw std::invalid_argument("buffer must be C-contiguous");
+      expected *= info.shape[d];
+    }
+  }
+  return info;
+}
+
+// Buffer protocol with an export count, so close() can refuse while views live.
+int shm_getbuffer(PyObject* obj, Py_buffer* view, int flags) {
+  ShmBuffer* self = nullptr;
+  try {
+    self = py::handle(obj).cast<ShmBuffer*>();
+  } catch (...) {
+    PyErr_SetString(PyExc_TypeError, "not a ShmBuffer");
+    return -1;
+  }
+  std::shared_lock<std::shared_mutex> guard(self->mapping_lock());
+  if (self->closed()) {
+    PyErr_SetString(PyExc_ValueError, "buffer is closed");
+    return -1;
+  }
+  if ((flags & PyBUF_WRITABLE) && !self->writable()) {
+    PyErr_SetString(PyExc_BufferError, "buffer is read-only");
+    return -1;
+  }
+  if (PyBuffer_FillInfo(view, obj, self->data(), static_cast<Py_ssize_t>(self->size()), self->writable() ? 0 : 1,
+                        flags) != 0)
+    return -1;
+  self->exports().fetch_add(1);
+  return 0;
+}
+
+void shm_releasebuffer(PyObject* obj, Py_buffer*) {
+  try {
+    py::handle(obj).cast<ShmBuffer*>()->exports().fetch_sub(1);
+  } catch (...) {
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "C++ core of ml_flashpoint_nemo: tmpfs buffers, parallel copy with CRC32C, file reads.";
+
+  py::register_exception<ShortReadError>(m, "ShortReadError", PyExc_EOFError);
+  py::register_exception<BufferBusyError>(m, "BufferBusyError", PyExc_BufferError);
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const OsError& e) {
+      py::object err = py::module_::import("builtins").attr("OSError")(
+          e.error_number(), std::string(e.what()), e.path().empty() ? py::object(py::none()) : py::str(e.path()));
+      PyErr_SetObject(PyExc_OSError, err.ptr());
+    }
+  });
+
+  m.def(
+      "crc32c",
+      [](const py::buffer& data, uint32_t crc) {
+        py::buffer_info info = request_readable(data);
+        const size_t n = static_cast<size_t>(info.size * info.itemsize);
+        py::gil_scoped_release release;
+        return crc32c(info.ptr, n, crc);
+      },
+      py::arg("data"), py::arg("crc") = 0, "CRC32C of a bytes-like object, continuing from crc.");
+  m.def(
+      "crc32c_software",
+      [](const py::buffer& data, uint32_t crc) {
+        py::buffer_info info = request_readable(data);
+        return crc32c_software(info.ptr, static_cast<size_t>(info.size * info.itemsize), crc);
+      },
+      py::arg("data"), py::arg("crc") = 0, "Portable table-driven CRC32C (the reference for tests).");
+  m.def("crc32c_combine", &crc32c_combine, py::arg("crc_a"), py::arg("crc_b"), py::arg("len_b"),
+        "CRC32C of A||B from the CRCs of A and B and the length of B.");
+  m.def("crc32c_backend", &crc32c_backend, "Which CRC32C implementation this CPU uses.");
+  m.def("page_size", &page_size);
+
+  py::class_<ShmBuffer> buffer_class(m, "ShmBuffer", py::buffer_protocol(),
+                                     "A tmpfs file mapped MAP_SHARED, with space reserved up front.");
+  buffer_class
+      .def_static(
+          "create",
+          [](const std::string& path, size_t size) {
+            py::gil_scoped_release release;
+            return ShmBuffer::create(path, size);
+          },
+          py::arg("path"), py::arg("size"),
+          "Create a new file of at least size bytes (rounded up to pages); ENOSPC raises OSError.")
+      .def_static(
+          "open",
+          [](const std::string& path, bool writable) {
+            py::gil_scoped_release release;
+            return ShmBuffer::open(path, writable);
+          },
+          py::arg("path"), py::arg("writable") = false, "Map an existing buffer file.")
+      .def(
+          "grow",
+          [](ShmBuffer& self, size_t size) {
+            py::gil_scoped_release release;
+            self.grow(size);
+          },
+          py::arg("size"))
+      .def(
+          "prefault",
+          [](ShmBuffer& self, size_t offset, py::object length) {
+            const size_t n = length.is_none() ? SIZE_MAX : length.cast<size_t>();
+            py::gil_scoped_release release;
+            self.prefault(offset, n);
+          },
+          py::arg("offset") = 0, py::arg("length") = py::none(),
+          "Fault pages in now (MADV_POPULATE_WRITE, or touching pages on old kernels).")
+      .def(
+          "rename_to",
+          [](ShmBuffer& self, const std::string& path) {
+            py::gil_scoped_release release;
+            self.rename_to(path);
+          },
+          py::arg("path"))
+      .def(
+          "close",
+          [](ShmBuffer& self) {
+            py::gil_scoped_release release;
+            self.close();
+          })
+      .def_property_readonly("size", &ShmBuffer::size)
+      .def_property_readonly("path", &ShmBuffer::path)
+      .def_property_readonly("writable", &ShmBuffer::writable)
+      .def_property_readonly("closed", &ShmBuffer::closed)
+      .def_property_readonly("address", [](const ShmBuffer& self) { return reinterpret_cast<uintptr_t>(self.data()); })
+      .def("__repr__", [](const ShmBuffer& self) {
+        return "<ShmBuffer " + self.path() + " size=" + std::to_string(self.size()) +
+               (self.closed() ? " closed>" : ">");
+      });
+  auto* heap_type = reinterpret_cast<PyHeapTypeObject*>(buffer_class.ptr());
+  heap_type->as_buffer.bf_getbuffer = shm_getbuffer;
+  heap_type->as_buffer.bf_releasebuffer = shm_releasebuffer;
+
+  m.def(
+      "copy_into_buffer",
+      [](ShmBuffer& buffer, const py::buffer& ops, bool checksum, int threads) {
+        auto parsed = ops_from_buffer<MemToBufferOp, 3>(ops);
+        py::gil_scoped_release release;
+        return copy_into_buffer(buffer, parsed, checksum, threads);
+      },
+      py::arg("buffer"), py::arg("ops"), py::arg("checksum") = true, py::arg("threads") = 1,
+      "Copy (src_address, dst_offset, nbytes) triples into buffer; returns one CRC32C per op.");
+  m.def(
+      "read_file_into",
+      [](int fd, const py::buffer& ops, bool checksum, int threads) {
+        auto parsed = ops_from_buffer<FileToMemOp, 3>(ops);
+        py::gil_scoped_release release;
+        return read_file_into(fd, parsed, checksum, threads);
+      },
+      py::arg("fd"), py::arg("ops"), py::arg("checksum") = true, py::arg("threads") = 1,
+      "pread (file_offset, dst_address, nbytes) triples straight into memory; returns one CRC32C per op.");
+  m.def(
+      "checksum_file_ranges",
+      [](int fd, const py::buffer& ops, int threads) {
+        auto parsed = ops_from_buffer<RangeOp, 2>(ops);
+        py::gil_scoped_release release;
+        return checksum_file_ranges(fd, parsed, threads);
+      },
+      py::arg("fd"), py::arg("ops"), py::arg("threads") = 1, "CRC32C of (offset, nbytes) ranges of a file.");
+  m.def(
+      "checksum_buffer_ranges",
+      [](ShmBuffer& buffer, const py::buffer& ops, int threads) {
+        auto parsed = ops_from_buffer<RangeOp, 2>(ops);
+        py::gil_scoped_release release;
+        return checksum_buffer_ranges(buffer, parsed, threads);
+      },
+      py::arg("buffer"), py::arg("ops"), py::arg("threads") = 1, "CRC32C of (offset, nbytes) ranges of a buffer.");
+}

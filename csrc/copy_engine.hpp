@@ -1,0 +1,47 @@
+// Parallel copies with CRC32C computed in the same pass.
+//
+// Every function takes a list of operations, splits large ones into pieces,
+// spreads the pieces over `threads` threads (the caller's thread included) and
+// returns one CRC32C per operation (0 when checksumming is off). Each piece is
+// copied in cache-sized chunks and checksummed right after, while the chunk is
+// still in cache, so the checksum costs no extra trip to memory.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "shm_buffer.hpp"
+
+namespace flashpoint {
+
+// One copy from memory into a buffer: bytes [src, src+nbytes) go to buffer offset dst_offset.
+struct MemToBufferOp {
+  uint64_t src_address;
+  uint64_t dst_offset;
+  uint64_t nbytes;
+};
+
+// One read from a file into memory: bytes [file_offset, +nbytes) go to dst_address.
+struct FileToMemOp {
+  uint64_t file_offset;
+  uint64_t dst_address;
+  uint64_t nbytes;
+};
+
+// A byte range [offset, offset+nbytes) of a file or a buffer.
+struct RangeOp {
+  uint64_t offset;
+  uint64_t nbytes;
+};
+
+std::vector<uint32_t> copy_into_buffer(ShmBuffer& buffer, const std::vector<MemToBufferOp>& ops, bool checksum,
+                                       int threads);
+
+std::vector<uint32_t> read_file_into(int fd, const std::vector<FileToMemOp>& ops, bool checksum, int threads);
+
+std::vector<uint32_t> checksum_file_ranges(int fd, const std::vector<RangeOp>& ops, int threads);
+
+std::vector<uint32_t> checksum_buffer_ranges(ShmBuffer& buffer, const std::vector<RangeOp>& ops, int threads);
+
+}  // namespace flashpoint

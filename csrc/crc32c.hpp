@@ -1,0 +1,25 @@
+// CRC32C (Castagnoli) with hardware acceleration and a portable fallback.
+//
+// All functions use the standard conditioning (initial value and final xor of
+// 0xFFFFFFFF), so crc32c(data, n, crc32c(a, na)) equals the CRC of a||data,
+// exactly as zlib's crc32() continues a running checksum.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace flashpoint {
+
+// CRC32C of n bytes at data, continuing from crc (0 for a fresh checksum).
+uint32_t crc32c(const void* data, size_t n, uint32_t crc = 0);
+
+// CRC32C of A||B given crc_a = crc32c(A), crc_b = crc32c(B) and len_b = |B|.
+uint32_t crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
+
+// Portable table-driven CRC32C, used as the reference in tests.
+uint32_t crc32c_software(const void* data, size_t n, uint32_t crc = 0);
+
+// Name of the implementation picked at start-up: "sse4.2", "armv8-crc" or "software".
+const char* crc32c_backend();
+
+}  // namespace flashpoint

@@ -1,0 +1,1 @@
+"""ml_flashpoint_nemo."""

@@ -1,0 +1,220 @@
+"""Format v1: the bytes of object headers, object indexes and commit records.
+
+docs/format.md is the specification; this module is its only implementation.
+Nothing here pickles: headers are fixed binary structs, indexes and commit
+records are UTF-8 JSON protected by CRC32C.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Literal
+
+from ml_flashpoint_nemo import _core
+from ml_flashpoint_nemo.errors import CorruptCheckpointError, FormatVersionError
+
+FORMAT_VERSION = 1
+OBJECT_MAGIC = b"MLFPOBJ\x00"
+COMMIT_MAGIC = "ml_flashpoint_nemo/commit"
+HEADER_NBYTES = 64
+RECORD_ALIGNMENT = 64
+LARGE_RECORD_ALIGNMENT = 4096  # records of at least LARGE_RECORD_BYTES start on a page
+LARGE_RECORD_BYTES = 1 << 20
+
+# magic, format_version, header_nbytes, object_nbytes, index_offset, index_nbytes,
+# index_crc32c, record_count, writer_rank, flags, reserved; header_crc32c follows.
+_HEADER = struct.Struct("<8sIIQQQIIIII")
+_HEADER_CRC = struct.Struct("<I")
+assert _HEADER.size + _HEADER_CRC.size == HEADER_NBYTES
+
+RecordKind = Literal["tensor", "bytes"]
+
+
+def align_up(value: int, alignment: int) -> int:
+    return (value + alignment - 1) // alignment * alignment
+
+
+def record_alignment(nbytes: int) -> int:
+    return LARGE_RECORD_ALIGNMENT if nbytes >= LARGE_RECORD_BYTES else RECORD_ALIGNMENT
+
+
+@dataclass
+class IndexEntry:
+    """Where one value lives in an object and how to rebuild it."""
+
+    key: str
+    kind: RecordKind
+    dtype: str  # torch dtype name without "torch.", "uint8" for bytes
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    crc32c: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "kind": self.kind,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "offset": self.offset,
+            "nbytes": self.nbytes,
+            "crc32c": f"{self.crc32c:08x}",  # fixed width: the index size is known before copying
+        }
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> "IndexEntry":
+        kind = raw["kind"]
+        if kind not in ("tensor", "bytes"):
+            raise ValueError(f"unknown record kind {kind!r}")
+        return cls(
+            key=str(raw["key"]),
+            kind=kind,
+            dtype=str(raw["dtype"]),
+            shape=tuple(int(d) for d in raw["shape"]),
+            offset=int(raw["offset"]),
+            nbytes=int(raw["nbytes"]),
+            crc32c=int(raw["crc32c"], 16),
+        )
+
+
+def encode_index(entries: Iterable[IndexEntry]) -> bytes:
+    payload = {"format_version": FORMAT_VERSION, "records": [e.to_json() for e in entries]}
+    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def decode_index(raw: bytes, path: str) -> list[IndexEntry]:
+    try:
+        payload = json.loads(raw.decode("utf-8"))
+        _check_format_version(int(payload["format_version"]), path)
+        return [IndexEntry.from_json(r) for r in payload["records"]]
+    except FormatVersionError:
+        raise
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptCheckpointError(f"index of {path} is malformed ({exc}); the object is unusable") from exc
+
+
+@dataclass(frozen=True)
+class ObjectHeader:
+    object_nbytes: int
+    index_offset: int
+    index_nbytes: int
+    index_crc32c: int
+    record_count: int
+    writer_rank: int
+
+    def encode(self) -> bytes:
+        body = _HEADER.pack(
+            OBJECT_MAGIC,
+            FORMAT_VERSION,
+            HEADER_NBYTES,
+            self.object_nbytes,
+            self.index_offset,
+            self.index_nbytes,
+            self.index_crc32c,
+            self.record_count,
+            self.writer_rank,
+            0,
+            0,
+        )
+        return body + _HEADER_CRC.pack(_core.crc32c(body))
+
+    @classmethod
+    def decode(cls, raw: bytes, path: str) -> "ObjectHeader":
+        if len(raw) < HEADER_NBYTES:
+            raise CorruptCheckpointError(f"{path} is truncated: {len(raw)} bytes, shorter than its header")
+        body, crc_bytes = raw[: _HEADER.size], raw[_HEADER.size : HEADER_NBYTES]
+        (magic, version, header_nbytes, object_nbytes, index_offset, index_nbytes, index_crc, count, rank, _, _) = (
+            _HEADER.unpack(body)
+        )
+        if magic != OBJECT_MAGIC:
+            raise CorruptCheckpointError(f"{path} is not a flashpoint object (bad magic {magic!r})")
+        _check_format_version(version, path)
+        (stored_crc,) = _HEADER_CRC.unpack(crc_bytes)
+        if _core.crc32c(body) != stored_crc:
+            raise CorruptCheckpointError(f"header of {path} fails its checksum; the object is corrupt")
+        if header_nbytes != HEADER_NBYTES or index_offset + index_nbytes > object_nbytes:
+            raise CorruptCheckpointError(f"header of {path} describes an impossible layout")
+        return cls(object_nbytes, index_offset, index_nbytes, index_crc, count, rank)
+
+
+def _check_format_version(version: int, path: str) -> None:
+    if version != FORMAT_VERSION:
+        raise FormatVersionError(
+            f"{path} uses checkpoint format v{version}; this ml_flashpoint_nemo reads v{FORMAT_VERSION} only. "
+            "Load it with the release that wrote it, or fall back to the durable checkpoint."
+        )
+
+
+@dataclass(frozen=True)
+class ObjectRecord:
+    """What a commit record says about one object: enough to find and verify it."""
+
+    name: str  # file name inside the version directory
+    rank: int
+    nbytes: int
+    crc32c: int  # CRC32C of header || index (the index holds every record's data CRC32C)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "rank": self.rank, "nbytes": self.nbytes, "crc32c": f"{self.crc32c:08x}"}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> "ObjectRecord":
+        return cls(str(raw["name"]), int(raw["rank"]), int(raw["nbytes"]), int(raw["crc32c"], 16))
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    """The record whose presence makes a version exist."""
+
+    step: int
+    world_size: int
+    objects: tuple[ObjectRecord, ...]
+    created_unix: float
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def encode(self) -> bytes:
+        body = json.dumps(
+            {
+                "magic": COMMIT_MAGIC,
+                "format_version": FORMAT_VERSION,
+                "step": self.step,
+                "world_size": self.world_size,
+                "created_unix": self.created_unix,
+                "objects": [o.to_json() for o in self.objects],
+                "metadata": self.metadata,
+            },
+            separators=(",", ":"),
+            sort_keys=True,
+        ).encode("utf-8")
+        return body + f"\ncrc32c={_core.crc32c(body):08x}\n".encode("ascii")
+
+    @classmethod
+    def decode(cls, raw: bytes, path: str) -> "CommitRecord":
+        body, sep, trailer = raw.rpartition(b"\ncrc32c=")
+        if not sep or not trailer.endswith(b"\n"):
+            raise CorruptCheckpointError(f"commit record {path} is truncated or malformed")
+        try:
+            stored_crc = int(trailer[:-1].decode("ascii"), 16)
+        except ValueError as exc:
+            raise CorruptCheckpointError(f"commit record {path} has a malformed checksum") from exc
+        if _core.crc32c(body) != stored_crc:
+            raise CorruptCheckpointError(f"commit record {path} fails its checksum; the version is corrupt")
+        try:
+            payload = json.loads(body.decode("utf-8"))
+            if payload.get("magic") != COMMIT_MAGIC:
+                raise CorruptCheckpointError(f"{path} is not a flashpoint commit record")
+            _check_format_version(int(payload["format_version"]), path)
+            return cls(
+                step=int(payload["step"]),
+                world_size=int(payload["world_size"]),
+                objects=tuple(ObjectRecord.from_json(o) for o in payload["objects"]),
+                created_unix=float(payload["created_unix"]),
+                metadata=dict(payload.get("metadata") or {}),
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CorruptCheckpointError(f"commit record {path} is malformed ({exc})") from exc
+
+    def objects_of_rank(self, rank: int) -> list[ObjectRecord]:
+        return [o for o in self.objects if o.rank == rank]

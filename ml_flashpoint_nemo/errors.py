@@ -1,0 +1,64 @@
+"""The exceptions ml_flashpoint_nemo raises.
+
+Everything derives from :class:`FlashpointError`, so a training loop can catch one
+type to skip a failed RAM checkpoint and carry on with its durable one. Each message
+says what happened and what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class FlashpointError(Exception):
+    """Base class of every error raised by ml_flashpoint_nemo."""
+
+
+class BaseDirError(FlashpointError):
+    """The checkpoint base directory cannot be used (missing, not writable, not a directory)."""
+
+
+class OutOfSpaceError(FlashpointError):
+    """The tmpfs holding the base directory is full; the save was abandoned, earlier versions are intact."""
+
+
+class PoolBusyError(FlashpointError):
+    """Another live process holds this rank's buffer pool."""
+
+
+class UnsupportedValueError(FlashpointError, TypeError):
+    """A value in the state cannot be stored (e.g. a sparse or quantized tensor, a non-string key)."""
+
+
+class VersionNotFoundError(FlashpointError):
+    """No committed version with the requested step exists."""
+
+
+class VersionExistsError(FlashpointError):
+    """A committed version with this step already exists and overwriting was not requested."""
+
+
+class CorruptCheckpointError(FlashpointError):
+    """A checkpoint file is truncated, malformed or fails its checksum."""
+
+
+class ChecksumError(CorruptCheckpointError):
+    """Bytes read back do not match the CRC32C recorded when they were written."""
+
+    def __init__(self, message: str, *, path: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.key = key
+
+
+class FormatVersionError(CorruptCheckpointError):
+    """A file was written in a format version this release cannot read."""
+
+
+class MissingKeyError(FlashpointError, KeyError):
+    """A key asked for on load is not in the checkpoint."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class LoadMismatchError(FlashpointError, ValueError):
+    """A destination tensor's shape or dtype differs from the stored one."""
