@@ -22,6 +22,7 @@ HEADER_NBYTES = 64
 RECORD_ALIGNMENT = 64
 LARGE_RECORD_ALIGNMENT = 4096  # records of at least LARGE_RECORD_BYTES start on a page
 LARGE_RECORD_BYTES = 1 << 20
+FLAG_NO_DATA_CRC = 1  # written with checksums off: record CRC32C fields are 0 and not checked
 
 # magic, format_version, header_nbytes, object_nbytes, index_offset, index_nbytes,
 # index_crc32c, record_count, writer_rank, flags, reserved; header_crc32c follows.
@@ -103,6 +104,11 @@ class ObjectHeader:
     index_crc32c: int
     record_count: int
     writer_rank: int
+    flags: int = 0
+
+    @property
+    def has_data_crc(self) -> bool:
+        return not self.flags & FLAG_NO_DATA_CRC
 
     def encode(self) -> bytes:
         body = _HEADER.pack(
@@ -115,7 +121,7 @@ class ObjectHeader:
             self.index_crc32c,
             self.record_count,
             self.writer_rank,
-            0,
+            self.flags,
             0,
         )
         return body + _HEADER_CRC.pack(_core.crc32c(body))
@@ -125,7 +131,7 @@ class ObjectHeader:
         if len(raw) < HEADER_NBYTES:
             raise CorruptCheckpointError(f"{path} is truncated: {len(raw)} bytes, shorter than its header")
         body, crc_bytes = raw[: _HEADER.size], raw[_HEADER.size : HEADER_NBYTES]
-        (magic, version, header_nbytes, object_nbytes, index_offset, index_nbytes, index_crc, count, rank, _, _) = (
+        (magic, version, header_nbytes, object_nbytes, index_offset, index_nbytes, index_crc, count, rank, flags, _) = (
             _HEADER.unpack(body)
         )
         if magic != OBJECT_MAGIC:
@@ -136,7 +142,7 @@ class ObjectHeader:
             raise CorruptCheckpointError(f"header of {path} fails its checksum; the object is corrupt")
         if header_nbytes != HEADER_NBYTES or index_offset + index_nbytes > object_nbytes:
             raise CorruptCheckpointError(f"header of {path} describes an impossible layout")
-        return cls(object_nbytes, index_offset, index_nbytes, index_crc, count, rank)
+        return cls(object_nbytes, index_offset, index_nbytes, index_crc, count, rank, flags)
 
 
 def _check_format_version(version: int, path: str) -> None:
@@ -218,3 +224,29 @@ class CommitRecord:
 
     def objects_of_rank(self, rank: int) -> list[ObjectRecord]:
         return [o for o in self.objects if o.rank == rank]
+
+
+@dataclass(frozen=True)
+class ObjectPlan:
+    """Offsets of every record of one object, fixed before any byte is copied."""
+
+    entries: list[IndexEntry]
+    index_offset: int
+    index_nbytes: int
+
+    @property
+    def object_nbytes(self) -> int:
+        return self.index_offset + self.index_nbytes
+
+
+def plan_object(values: Iterable[tuple[str, RecordKind, str, tuple[int, ...], int]]) -> ObjectPlan:
+    """Place (key, kind, dtype, shape, nbytes) records after the header, each aligned, then the index."""
+    entries = []
+    offset = HEADER_NBYTES
+    for key, kind, dtype, shape, nbytes in values:
+        offset = align_up(offset, record_alignment(nbytes))
+        entries.append(IndexEntry(key, kind, dtype, shape, offset, nbytes))
+        offset += nbytes
+    index_offset = align_up(offset, RECORD_ALIGNMENT)
+    # CRC fields are fixed-width hex, so the size with placeholder CRCs is the final size.
+    return ObjectPlan(entries, index_offset, len(encode_index(entries)))

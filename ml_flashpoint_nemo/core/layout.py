@@ -1,0 +1,113 @@
+"""Where things live under a base directory (format v1 layout).
+
+    <base>/pool/rank-<R>/buf-<id>        free buffers of rank R, reused across saves
+    <base>/step-<N>/rank-<R>-<i>.fpo      objects written by rank R for version N
+    <base>/step-<N>/COMMIT               commit record; without it version N does not exist
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ml_flashpoint_nemo.errors import BaseDirError
+
+logger = logging.getLogger(__name__)
+
+COMMIT_NAME = "COMMIT"
+OBJECT_SUFFIX = ".fpo"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_OBJECT_NAME = re.compile(r"^rank-(\d+)-(\d+)\.fpo$")
+_MEMORY_FILESYSTEMS = {"tmpfs", "ramfs", "hugetlbfs"}
+
+
+def object_name(rank: int, index: int = 0) -> str:
+    return f"rank-{rank:05d}-{index}{OBJECT_SUFFIX}"
+
+
+def rank_of_object(name: str) -> int | None:
+    match = _OBJECT_NAME.match(name)
+    return int(match.group(1)) if match else None
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """Paths of one job's RAM checkpoints; the base directory is the job's own."""
+
+    base_dir: Path
+
+    def __init__(self, base_dir: str | os.PathLike[str]) -> None:
+        object.__setattr__(self, "base_dir", Path(base_dir).absolute())
+
+    def pool_dir(self, rank: int) -> Path:
+        return self.base_dir / "pool" / f"rank-{rank:05d}"
+
+    def version_dir(self, step: int) -> Path:
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        return self.base_dir / f"step-{step}"
+
+    def commit_path(self, step: int) -> Path:
+        return self.version_dir(step) / COMMIT_NAME
+
+    def object_path(self, step: int, name: str) -> Path:
+        return self.version_dir(step) / name
+
+    def version_steps(self) -> list[int]:
+        """Steps of every version directory, committed or not, oldest first."""
+        try:
+            names = os.listdir(self.base_dir)
+        except FileNotFoundError:
+            return []
+        steps = [int(m.group(1)) for m in map(_STEP_DIR.match, names) if m]
+        return sorted(steps)
+
+    def is_committed(self, step: int) -> bool:
+        return self.commit_path(step).is_file()
+
+    def ensure_writable(self) -> None:
+        """Create the base directory if needed and check it can hold checkpoints."""
+        try:
+            self.base_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise BaseDirError(
+                f"cannot create checkpoint base directory {self.base_dir}: {exc.strerror}. "
+                "Pick a directory on a tmpfs you can write (e.g. under /dev/shm) or set FLASHPOINT_BASE_DIR."
+            ) from exc
+        if not self.base_dir.is_dir():
+            raise BaseDirError(f"checkpoint base directory {self.base_dir} exists but is not a directory")
+        if not os.access(self.base_dir, os.W_OK | os.X_OK):
+            raise BaseDirError(
+                f"checkpoint base directory {self.base_dir} is not writable by this process (uid {os.getuid()}). "
+                "Fix its permissions or pick another directory."
+            )
+        fs_type = filesystem_type(self.base_dir)
+        if fs_type not in _MEMORY_FILESYSTEMS:
+            logger.warning(
+                "Checkpoint base directory %s is on %s, not on a tmpfs: saves and loads will run at disk speed "
+                "and checkpoints survive reboots. Use a directory under /dev/shm for RAM checkpoints.",
+                self.base_dir,
+                fs_type or "an unknown filesystem",
+            )
+
+
+def filesystem_type(path: str | os.PathLike[str]) -> str | None:
+    """Filesystem type of the mount holding path, from /proc/self/mounts (None if unknown)."""
+    target = os.path.realpath(path)
+    best, best_type = "", None
+    try:
+        with open("/proc/self/mounts", encoding="utf-8") as mounts:
+            for line in mounts:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                mount_point = fields[1].replace("\\040", " ")
+                inside = target == mount_point or target.startswith(mount_point.rstrip("/") + "/")
+                if inside and len(mount_point) >= len(best):
+                    best, best_type = mount_point, fields[2]
+    except OSError:
+        return None
+    return best_type

@@ -1,0 +1,285 @@
+"""Reading versions back: straight from the object file into the destination, verified on the way.
+
+Data is read with pread into the destination tensor's own memory (one copy, no
+mmap page-table set-up) and checksummed chunk by chunk while it is in cache.
+Nothing is returned unless every checksum matched: a mismatch raises
+ChecksumError naming the object and the key.
+"""
+
+from __future__ import annotations
+
+import array
+import logging
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+
+from ml_flashpoint_nemo import _core
+from ml_flashpoint_nemo.core.format import HEADER_NBYTES, IndexEntry, ObjectHeader, ObjectRecord, decode_index
+from ml_flashpoint_nemo.core.layout import CheckpointLayout
+from ml_flashpoint_nemo.core.tuning import default_copy_threads
+from ml_flashpoint_nemo.core.values import BytesLike, dtype_from_name
+from ml_flashpoint_nemo.core.versions import committed_steps, read_commit
+from ml_flashpoint_nemo.errors import (
+    ChecksumError,
+    CorruptCheckpointError,
+    LoadMismatchError,
+    MissingKeyError,
+    VersionNotFoundError,
+)
+
+logger = logging.getLogger(__name__)
+
+_CORRUPT_ADVICE = "Load an older version or the durable checkpoint."
+
+
+@dataclass(frozen=True)
+class OpenObject:
+    """A validated object file: its header and index, and an open descriptor for reads."""
+
+    path: str
+    fd: int
+    header: ObjectHeader
+    entries: list[IndexEntry]
+
+
+@contextmanager
+def open_object(path: str, record: ObjectRecord) -> Iterator[OpenObject]:
+    """Open an object and check it against its commit record: size, header, index checksum, bounds."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"object {path} named by the commit record is missing. {_CORRUPT_ADVICE}") from None
+    try:
+        file_size = os.fstat(fd).st_size
+        if file_size < record.nbytes:
+            raise CorruptCheckpointError(
+                f"object {path} is truncated: {file_size} bytes, the commit record says {record.nbytes}. "
+                + _CORRUPT_ADVICE
+            )
+        header_bytes = os.pread(fd, HEADER_NBYTES, 0)
+        header = ObjectHeader.decode(header_bytes, path)
+        if header.object_nbytes != record.nbytes:
+            raise CorruptCheckpointError(
+                f"object {path} says it has {header.object_nbytes} bytes, the commit record {record.nbytes}. "
+                + _CORRUPT_ADVICE
+            )
+        index_bytes = os.pread(fd, header.index_nbytes, header.index_offset)
+        if _core.crc32c(index_bytes, _core.crc32c(header_bytes)) != record.crc32c:
+            raise ChecksumError(
+                f"object {path} does not match the checksum in its commit record. {_CORRUPT_ADVICE}", path=path
+            )
+        entries = decode_index(index_bytes, path)
+        for entry in entries:
+            if entry.offset < HEADER_NBYTES or entry.offset + entry.nbytes > header.index_offset:
+                raise CorruptCheckpointError(f"record {entry.key!r} of {path} lies outside the data area")
+        yield OpenObject(path, fd, header, entries)
+    finally:
+        os.close(fd)
+
+
+def _check_crc(obj: OpenObject, entry: IndexEntry, actual: int) -> None:
+    if obj.header.has_data_crc and actual != entry.crc32c:
+        raise ChecksumError(
+            f"key {entry.key!r} in {obj.path}: CRC32C {actual:08x} does not match the recorded {entry.crc32c:08x}; "
+            f"the RAM copy is corrupt and the destination holds undefined data. {_CORRUPT_ADVICE}",
+            path=obj.path,
+            key=entry.key,
+        )
+
+
+def _expected_shape_and_dtype(entry: IndexEntry) -> tuple[torch.Size, torch.dtype]:
+    return torch.Size(entry.shape), dtype_from_name(entry.dtype)
+
+
+def _check_destination(entry: IndexEntry, destination: Any, path: str) -> None:
+    if entry.kind == "bytes":
+        raise LoadMismatchError(f"key {entry.key!r} in {path} holds bytes; it cannot be loaded into a tensor")
+    if not isinstance(destination, torch.Tensor):
+        raise LoadMismatchError(f"destination of {entry.key!r} must be a torch.Tensor, got {type(destination).__name__}")
+    shape, dtype = _expected_shape_and_dtype(entry)
+    if destination.shape != shape or destination.dtype != dtype:
+        raise LoadMismatchError(
+            f"key {entry.key!r}: stored {dtype_name_of(dtype)}{list(shape)} but the destination is "
+            f"{dtype_name_of(destination.dtype)}{list(destination.shape)}. The model or its parallel layout "
+            "differs from the one that saved this checkpoint."
+        )
+
+
+def dtype_name_of(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def read_object(
+    obj: OpenObject,
+    *,
+    into: Mapping[str, torch.Tensor] | None = None,
+    keys: Sequence[str] | None = None,
+    threads: int | None = None,
+) -> dict[str, torch.Tensor | bytes]:
+    """Read records of an open object: into the given tensors where given, into new ones otherwise."""
+    threads = threads or default_copy_threads()
+    by_key = {e.key: e for e in obj.entries}
+    wanted = list(keys) if keys is not None else list(by_key)
+    if into:
+        wanted += [k for k in into if k not in set(wanted)]
+    missing = [k for k in wanted if k not in by_key]
+    if missing:
+        raise MissingKeyError(
+            f"keys {missing[:5]}{'...' if len(missing) > 5 else ''} are not in {obj.path} "
+            f"(it holds {len(by_key)} keys). The checkpoint was saved from a different model or rank."
+        )
+    into = into or {}
+    for key in wanted:  # every destination is checked before any byte is read
+        if key in into:
+            _check_destination(by_key[key], into[key], obj.path)
+
+    result: dict[str, torch.Tensor | bytes] = {}
+    ops = array.array("Q")
+    op_entries: list[IndexEntry] = []
+    staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # (read target, final destination)
+    for key in wanted:
+        entry = by_key[key]
+        if entry.kind == "bytes":
+            result[key] = _read_bytes(obj, entry)
+            continue
+        destination = into.get(key)
+        target = destination
+        if destination is None or destination.device.type != "cpu" or not destination.is_contiguous():
+            shape, dtype = _expected_shape_and_dtype(entry)
+            pin = destination is not None and destination.device.type == "cuda"
+            target = torch.empty(shape, dtype=dtype, pin_memory=pin)
+            if destination is not None:
+                staged.append((target, destination))
+        result[key] = destination if destination is not None else target
+        if entry.nbytes:
+            ops.extend((entry.offset, target.data_ptr(), entry.nbytes))
+            op_entries.append(entry)
+    crcs = _read_with_errors(obj, ops, threads)
+    for entry, crc in zip(op_entries, crcs):
+        _check_crc(obj, entry, crc)
+    for target, destination in staged:
+        destination.copy_(target)
+    return result
+
+
+def _read_with_errors(obj: OpenObject, ops: array.array, threads: int) -> list[int]:
+    try:
+        return _core.read_file_into(obj.fd, ops, obj.header.has_data_crc, threads)
+    except EOFError as exc:
+        raise CorruptCheckpointError(f"object {obj.path} is truncated ({exc}). {_CORRUPT_ADVICE}") from exc
+
+
+def _read_bytes(obj: OpenObject, entry: IndexEntry) -> bytes:
+    data = os.pread(obj.fd, entry.nbytes, entry.offset)
+    if len(data) != entry.nbytes:
+        raise CorruptCheckpointError(f"object {obj.path} is truncated inside {entry.key!r}. {_CORRUPT_ADVICE}")
+    _check_crc(obj, entry, _core.crc32c(data))
+    return data
+
+
+def load_version(
+    base_dir: str | os.PathLike[str],
+    step: int | None = None,
+    *,
+    rank: int = 0,
+    into: Mapping[str, torch.Tensor] | None = None,
+    keys: Sequence[str] | None = None,
+    threads: int | None = None,
+) -> dict[str, torch.Tensor | BytesLike]:
+    """Load rank's state of committed version `step` (the newest if None).
+
+    Tensors named in `into` are filled in place (same shape and dtype required) and
+    returned; other keys come back as new CPU tensors, bytes records as bytes.
+    """
+    layout = CheckpointLayout(base_dir)
+    if step is None:
+        steps = committed_steps(layout)
+        if not steps:
+            raise VersionNotFoundError(f"no committed version in {layout.base_dir}")
+        step = steps[-1]
+    commit = read_commit(layout, step)
+    objects = commit.objects_of_rank(rank)
+    if not objects:
+        raise VersionNotFoundError(
+            f"version {step} in {layout.base_dir} has no object of rank {rank} "
+            f"(it was saved by {commit.world_size} ranks). Check the rank and world size."
+        )
+    result: dict[str, Any] = {}
+    remaining_into = dict(into or {})
+    for record in objects:
+        with open_object(str(layout.object_path(step, record.name)), record) as obj:
+            present = {e.key for e in obj.entries}
+            part_into = {k: v for k, v in remaining_into.items() if k in present}
+            part_keys = [k for k in (keys if keys is not None else present) if k in present]
+            result.update(read_object(obj, into=part_into, keys=part_keys, threads=threads))
+            for k in part_into:
+                remaining_into.pop(k)
+    absent = list(remaining_into) + [k for k in (keys or ()) if k not in result]
+    if absent:
+        raise MissingKeyError(f"keys {absent[:5]} are not in version {step} of rank {rank} in {layout.base_dir}")
+    return result
+
+
+def load_newest_valid(
+    base_dir: str | os.PathLike[str],
+    *,
+    rank: int = 0,
+    into: Mapping[str, torch.Tensor] | None = None,
+    threads: int | None = None,
+) -> tuple[int, dict[str, torch.Tensor | BytesLike]]:
+    """Load the newest version that reads back intact, trying older ones when a newer one fails.
+
+    Each skipped version is logged with the reason. Raises VersionNotFoundError when none loads.
+    """
+    layout = CheckpointLayout(base_dir)
+    failures = []
+    for step in reversed(committed_steps(layout)):
+        try:
+            return step, load_version(base_dir, step, rank=rank, into=into, threads=threads)
+        except (CorruptCheckpointError, VersionNotFoundError) as exc:
+            logger.warning("Skipping RAM checkpoint step %d: %s", step, exc)
+            failures.append(f"step {step}: {exc}")
+    raise VersionNotFoundError(
+        f"no loadable version of rank {rank} in {layout.base_dir}"
+        + (": " + "; ".join(failures) if failures else " (none committed)")
+    )
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    step: int
+    objects: int
+    records: int
+    nbytes: int
+
+
+def verify_version(
+    base_dir: str | os.PathLike[str], step: int, *, ranks: Sequence[int] | None = None, threads: int | None = None
+) -> VerifyReport:
+    """Check every byte of a version's local objects against their checksums; raises on the first problem."""
+    layout = CheckpointLayout(base_dir)
+    commit = read_commit(layout, step)
+    threads = threads or default_copy_threads()
+    objects = records = nbytes = 0
+    for record in commit.objects:
+        if ranks is not None and record.rank not in ranks:
+            continue
+        with open_object(str(layout.object_path(step, record.name)), record) as obj:
+            ranges = array.array("Q")
+            for entry in obj.entries:
+                ranges.extend((entry.offset, entry.nbytes))
+            try:
+                crcs = _core.checksum_file_ranges(obj.fd, ranges, threads)
+            except EOFError as exc:
+                raise CorruptCheckpointError(f"object {obj.path} is truncated ({exc})") from exc
+            for entry, crc in zip(obj.entries, crcs):
+                _check_crc(obj, entry, crc)
+            objects += 1
+            records += len(obj.entries)
+            nbytes += sum(e.nbytes for e in obj.entries)
+    return VerifyReport(step, objects, records, nbytes)
+

@@ -1,0 +1,92 @@
+"""What can be stored: tensors of any dtype and bytes, described without pickle."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Union
+
+import torch
+
+from ml_flashpoint_nemo.errors import UnsupportedValueError
+
+BytesLike = Union[bytes, bytearray, memoryview]
+StateValue = Union[torch.Tensor, BytesLike]
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
+
+
+@dataclass
+class PreparedValue:
+    """A value ready to be copied: its bytes, its dtype name and shape."""
+
+    key: str
+    kind: str  # "tensor" or "bytes"
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    tensor: torch.Tensor | None = None  # conjugation/negation resolved
+    data: memoryview | None = None
+
+    @property
+    def is_direct(self) -> bool:
+        """True when the bytes can be read straight from host memory by the C++ engine."""
+        return self.tensor is not None and self.tensor.device.type == "cpu" and self.tensor.is_contiguous()
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise UnsupportedValueError(
+            f"stored dtype {name!r} is not known to torch {torch.__version__}; load with the torch that saved it"
+        )
+    return dtype
+
+
+def prepare_value(key: Any, value: Any) -> PreparedValue:
+    """Check that value can be stored under key and describe its bytes."""
+    if not isinstance(key, str):
+        raise UnsupportedValueError(f"state keys must be str, got {type(key).__name__} {key!r}")
+    if isinstance(value, torch.Tensor):
+        return _prepare_tensor(key, value)
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        view = memoryview(value)
+        if not view.contiguous:
+            raise UnsupportedValueError(f"value of {key!r} is a non-contiguous memoryview; pass bytes(...) instead")
+        view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        return PreparedValue(key, "bytes", "uint8", (view.nbytes,), view.nbytes, data=view)
+    raise UnsupportedValueError(
+        f"value of {key!r} is a {type(value).__name__}; only torch.Tensor and bytes can be stored. "
+        "Serialize other objects to bytes first (the DCP and Megatron adapters do this for you)."
+    )
+
+
+def _prepare_tensor(key: str, tensor: torch.Tensor) -> PreparedValue:
+    if type(tensor) not in _PLAIN_TENSOR_TYPES:
+        raise UnsupportedValueError(
+            f"value of {key!r} is a {type(tensor).__name__}; the core stores plain tensors only. "
+            "Use the DCP or Megatron adapter for distributed tensor types."
+        )
+    if tensor.layout != torch.strided:
+        raise UnsupportedValueError(f"value of {key!r} has layout {tensor.layout}; convert it with .to_dense() first")
+    if tensor.is_quantized:
+        raise UnsupportedValueError(
+            f"value of {key!r} is a quantized tensor; store int_repr(), scale and zero point separately"
+        )
+    if tensor.device.type == "meta":
+        raise UnsupportedValueError(f"value of {key!r} is on the meta device and has no data to save")
+    tensor = tensor.detach()
+    if tensor.is_conj():
+        tensor = tensor.resolve_conj()
+    if tensor.is_neg():
+        tensor = tensor.resolve_neg()
+    nbytes = tensor.numel() * tensor.element_size()
+    return PreparedValue(key, "tensor", dtype_name(tensor.dtype), tuple(tensor.shape), nbytes, tensor=tensor)
+
+
+def prepare_state(state: Mapping[str, Any]) -> list[PreparedValue]:
+    if not isinstance(state, Mapping):
+        raise UnsupportedValueError(f"state must be a mapping of str to tensors or bytes, got {type(state).__name__}")
+    return [prepare_value(k, v) for k, v in state.items()]

@@ -1,0 +1,171 @@
+"""Versions: committing them, listing them, retiring old ones.
+
+A version exists once its commit record exists. The record is written to a
+temporary name and renamed into place, so readers see either no version or a
+complete record. Retiring removes the record first, so a version never appears
+half-deleted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from ml_flashpoint_nemo.core.format import CommitRecord, ObjectRecord
+from ml_flashpoint_nemo.core.layout import COMMIT_NAME, CheckpointLayout, rank_of_object
+from ml_flashpoint_nemo.core.pool import BufferPool, raise_if_out_of_space
+from ml_flashpoint_nemo.errors import CorruptCheckpointError, VersionNotFoundError
+
+logger = logging.getLogger(__name__)
+
+
+def write_commit(
+    layout: CheckpointLayout,
+    step: int,
+    objects: Sequence[ObjectRecord],
+    *,
+    world_size: int,
+    metadata: dict[str, Any] | None = None,
+) -> CommitRecord:
+    """Atomically write the commit record of a version whose objects are all written."""
+    record = CommitRecord(
+        step=step,
+        world_size=world_size,
+        objects=tuple(sorted(objects, key=lambda o: (o.rank, o.name))),
+        created_unix=time.time(),
+        metadata=dict(metadata or {}),
+    )
+    directory = layout.version_dir(step)
+    directory.mkdir(parents=True, exist_ok=True)
+    temporary = directory / f".{COMMIT_NAME}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        with open(temporary, "wb") as handle:
+            handle.write(record.encode())
+            handle.flush()
+            os.fsync(handle.fileno())  # free on tmpfs; makes a disk base dir crash-safe too
+        os.rename(temporary, layout.commit_path(step))
+        _fsync_directory(directory)
+    except OSError as exc:
+        temporary.unlink(missing_ok=True)
+        raise_if_out_of_space(exc, f"the commit record of step {step}")
+        raise
+    return record
+
+
+def _fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_commit(layout: CheckpointLayout, step: int) -> CommitRecord:
+    path = layout.commit_path(step)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise VersionNotFoundError(
+            f"no committed version of step {step} in {layout.base_dir}; committed steps: {committed_steps(layout)}"
+        ) from None
+    record = CommitRecord.decode(raw, str(path))
+    if record.step != step:
+        raise CorruptCheckpointError(f"commit record {path} names step {record.step}, not {step}")
+    return record
+
+
+def committed_steps(layout: CheckpointLayout) -> list[int]:
+    """Steps that have a commit record, oldest first (the records are not validated here)."""
+    return [s for s in layout.version_steps() if layout.is_committed(s)]
+
+
+@dataclass(frozen=True)
+class VersionInfo:
+    """One committed version as listed: its record, or why it could not be read."""
+
+    step: int
+    path: Path
+    record: CommitRecord | None
+    error: str | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(o.nbytes for o in self.record.objects) if self.record else 0
+
+
+def list_versions(base_dir: str | os.PathLike[str]) -> list[VersionInfo]:
+    """Every committed version under base_dir, oldest first; unreadable records are listed with their error."""
+    layout = CheckpointLayout(base_dir)
+    infos = []
+    for step in committed_steps(layout):
+        try:
+            infos.append(VersionInfo(step, layout.version_dir(step), read_commit(layout, step)))
+        except (CorruptCheckpointError, VersionNotFoundError) as exc:
+            infos.append(VersionInfo(step, layout.version_dir(step), None, str(exc)))
+    return infos
+
+
+def retire_version(layout: CheckpointLayout, step: int, *, rank: int | None, pool: BufferPool | None = None) -> None:
+    """Remove a version: its commit record first, then the objects of `rank` (all ranks if None).
+
+    With a pool, the objects' files go back into it for reuse instead of being deleted.
+    """
+    directory = layout.version_dir(step)
+    layout.commit_path(step).unlink(missing_ok=True)
+    for name in _list_dir(directory):
+        owner = rank_of_object(name)
+        path = directory / name
+        if owner is None and name.startswith(f".{COMMIT_NAME}.tmp-"):
+            path.unlink(missing_ok=True)
+        elif owner is not None and (rank is None or owner == rank):
+            if pool is not None and owner == pool.rank:
+                pool.recycle(path)
+            else:
+                if pool is not None:
+                    pool.forget(path)
+                path.unlink(missing_ok=True)
+    try:
+        directory.rmdir()
+    except FileNotFoundError:
+        pass
+    except OSError:
+        if rank is None:
+            shutil.rmtree(directory, ignore_errors=True)
+        # otherwise other ranks' objects are still there; the last rank removes the directory
+
+
+def _list_dir(directory: Path) -> Iterable[str]:
+    try:
+        return os.listdir(directory)
+    except FileNotFoundError:
+        return []
+
+
+def delete_superseded(
+    base_dir: str | os.PathLike[str], *, keep: int = 1, rank: int | None = None, pool: BufferPool | None = None
+) -> list[int]:
+    """Retire all but the newest `keep` committed versions, and uncommitted leftovers older than the newest.
+
+    Uncommitted versions newer than the newest committed one may still be being written and are left alone.
+    Returns the steps retired.
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1 (the newest committed version is never deleted), got {keep}")
+    layout = CheckpointLayout(base_dir)
+    committed = committed_steps(layout)
+    if not committed:
+        return []
+    survivors = set(committed[-keep:])
+    newest = committed[-1]
+    retired = [s for s in layout.version_steps() if s not in survivors and s < newest]
+    for step in retired:
+        retire_version(layout, step, rank=rank, pool=pool)
+    if retired:
+        logger.debug("Retired versions %s under %s (kept %s)", retired, layout.base_dir, sorted(survivors))
+    return retired
