@@ -70,6 +70,8 @@ class CheckpointLayout:
 
     def ensure_writable(self) -> None:
         """Create the base directory if needed and check it can hold checkpoints."""
+        if self.base_dir.exists() and not self.base_dir.is_dir():
+            raise BaseDirError(f"checkpoint base directory {self.base_dir} exists but is not a directory")
         try:
             self.base_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -77,8 +79,6 @@ class CheckpointLayout:
                 f"cannot create checkpoint base directory {self.base_dir}: {exc.strerror}. "
                 "Pick a directory on a tmpfs you can write (e.g. under /dev/shm) or set FLASHPOINT_BASE_DIR."
             ) from exc
-        if not self.base_dir.is_dir():
-            raise BaseDirError(f"checkpoint base directory {self.base_dir} exists but is not a directory")
         if not os.access(self.base_dir, os.W_OK | os.X_OK):
             raise BaseDirError(
                 f"checkpoint base directory {self.base_dir} is not writable by this process (uid {os.getuid()}). "

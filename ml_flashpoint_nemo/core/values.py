@@ -12,6 +12,10 @@ from ml_flashpoint_nemo.errors import UnsupportedValueError
 BytesLike = Union[bytes, bytearray, memoryview]
 StateValue = Union[torch.Tensor, BytesLike]
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
+# Quantized dtypes carry scale/zero point outside their bytes; raw bytes alone would load wrong values.
+QUANTIZED_DTYPES = frozenset(
+    d for d in (getattr(torch, n, None) for n in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")) if d is not None
+)
 
 
 @dataclass
@@ -71,7 +75,7 @@ def _prepare_tensor(key: str, tensor: torch.Tensor) -> PreparedValue:
         )
     if tensor.layout != torch.strided:
         raise UnsupportedValueError(f"value of {key!r} has layout {tensor.layout}; convert it with .to_dense() first")
-    if tensor.is_quantized:
+    if tensor.is_quantized or tensor.dtype in QUANTIZED_DTYPES:
         raise UnsupportedValueError(
             f"value of {key!r} is a quantized tensor; store int_repr(), scale and zero point separately"
         )

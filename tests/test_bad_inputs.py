@@ -1,0 +1,292 @@
+"""Every bad input and damaged file gets a specific error, and nothing already committed is lost."""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from ml_flashpoint_nemo import (
+    BaseDirError,
+    ChecksumError,
+    CorruptCheckpointError,
+    FormatVersionError,
+    LoadMismatchError,
+    MissingKeyError,
+    OutOfSpaceError,
+    PoolBusyError,
+    UnsupportedValueError,
+    VersionExistsError,
+    VersionNotFoundError,
+)
+from ml_flashpoint_nemo import _core
+from ml_flashpoint_nemo.core import CheckpointSaver, committed_steps, load_newest_valid, load_version, verify_version
+from ml_flashpoint_nemo.core.format import HEADER_NBYTES
+from ml_flashpoint_nemo.core.layout import CheckpointLayout
+from ml_flashpoint_nemo.core.loader import open_object
+from ml_flashpoint_nemo.core.versions import read_commit
+from tests.support.states import assert_state_equal, make_state
+
+
+def object_file(base_dir: Path, step: int) -> Path:
+    return next((base_dir / f"step-{step}").glob("rank-*.fpo"))
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as handle:
+        handle.seek(offset)
+        byte = handle.read(1)
+        handle.seek(offset)
+        handle.write(bytes([byte[0] ^ 0x40]))
+
+
+@pytest.fixture
+def two_versions(base_dir):
+    """Steps 1 and 2 committed (keep=2), each a distinct deterministic state."""
+    with CheckpointSaver(base_dir) as saver:
+        saver.save(1, make_state(1, small_tensors=10), keep=2)
+        saver.save(2, make_state(2, small_tensors=10), keep=2)
+    return base_dir
+
+
+# --- base directory -------------------------------------------------------------------------
+
+
+def test_base_dir_under_a_file_is_refused(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(BaseDirError, match="cannot create checkpoint base directory"):
+        CheckpointSaver(blocker / "base")
+
+
+def test_base_dir_that_is_a_file_is_refused(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(BaseDirError, match="not a directory"):
+        CheckpointSaver(blocker)
+
+
+def test_read_only_base_dir_is_refused(small_tmpfs):
+    (small_tmpfs / "base").mkdir()
+    subprocess.run(["mount", "-o", "remount,ro", str(small_tmpfs)], check=True)
+    with pytest.raises(BaseDirError, match="not writable"):
+        CheckpointSaver(small_tmpfs / "base")
+
+
+def test_base_dir_off_tmpfs_warns_and_works(tmp_path, caplog):
+    assert tmp_path.resolve().parts[1] != "dev"
+    with caplog.at_level(logging.WARNING, logger="ml_flashpoint_nemo.core.layout"):
+        with CheckpointSaver(tmp_path / "base") as saver:
+            saver.save(1, {"x": torch.ones(3)})
+    assert "not on a tmpfs" in caplog.text
+    assert torch.equal(load_version(tmp_path / "base", 1)["x"], torch.ones(3))
+
+
+def test_second_process_on_same_rank_is_refused(base_dir):
+    with CheckpointSaver(base_dir) as saver:
+        saver.save(1, {"x": torch.ones(2)})
+        with pytest.raises(PoolBusyError, match="held by another live process"):
+            CheckpointSaver(base_dir)
+    with CheckpointSaver(base_dir) as again:  # the lock went away with the first saver
+        again.save(2, {"x": torch.ones(2)})
+
+
+# --- values that cannot be stored -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "state, message",
+    [
+        ({1: torch.ones(1)}, "keys must be str"),
+        ({"s": torch.ones(3).to_sparse()}, "layout"),
+        ({"q": torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8)}, "quantized"),
+        ({"m": torch.empty(3, device="meta")}, "meta device"),
+        ({"i": 3}, "only torch.Tensor and bytes"),
+        ({"n": [torch.ones(1)]}, "only torch.Tensor and bytes"),
+    ],
+)
+def test_unsupported_values_are_refused_and_nothing_is_written(two_versions, state, message):
+    with CheckpointSaver(two_versions) as saver:
+        with pytest.raises(UnsupportedValueError, match=message):
+            saver.save(3, {"ok": torch.ones(2), **state})
+    assert committed_steps(CheckpointLayout(two_versions)) == [1, 2]
+    assert not (two_versions / "step-3").exists()
+    assert_state_equal(make_state(2, small_tensors=10), load_version(two_versions, 2))
+
+
+def test_state_must_be_a_mapping(base_dir):
+    with CheckpointSaver(base_dir) as saver, pytest.raises(UnsupportedValueError, match="mapping"):
+        saver.save(1, [torch.ones(1)])
+
+
+def test_saving_a_committed_step_needs_overwrite(two_versions):
+    with CheckpointSaver(two_versions) as saver:
+        with pytest.raises(VersionExistsError, match="overwrite=True"):
+            saver.save(2, {"x": torch.zeros(1)})
+        assert_state_equal(make_state(2, small_tensors=10), load_version(two_versions, 2))
+        saver.save(2, {"x": torch.zeros(1)}, overwrite=True, keep=None)
+    assert_state_equal({"x": torch.zeros(1)}, load_version(two_versions, 2))
+    assert_state_equal(make_state(1, small_tensors=10), load_version(two_versions, 1))
+
+
+# --- out of space ---------------------------------------------------------------------------
+
+
+def test_enospc_mid_save_keeps_the_previous_version(small_tmpfs):
+    base = small_tmpfs / "base"
+    small = {"w": torch.randn(1 << 20)}  # 4 MiB of a 16 MiB tmpfs
+    with CheckpointSaver(base) as saver:
+        saver.save(1, small)
+        with pytest.raises(OutOfSpaceError, match="tmpfs is full"):
+            saver.save(2, {"w": torch.randn(5 << 20)})  # 20 MiB: cannot fit
+        assert committed_steps(CheckpointLayout(base)) == [1]
+        assert_state_equal(small, load_version(base, 1))
+        # the failure left the pool usable: a save that fits still works
+        saver.save(3, {"w": torch.randn(1 << 18)})
+    assert committed_steps(CheckpointLayout(base)) == [3]
+
+
+def test_enospc_when_growing_a_pool_buffer(small_tmpfs):
+    base = small_tmpfs / "base"
+    first = {"w": torch.randn(1 << 20)}
+    with CheckpointSaver(base) as saver:
+        saver.save(1, first, keep=None)
+        saver.save(2, first, keep=None)
+        saver.save(3, first, keep=1)  # steps 1 and 2 retired: their buffers are free in the pool
+        with pytest.raises(OutOfSpaceError):
+            saver.save(4, {"w": torch.randn(3 << 20)})  # 12 MiB: the free buffer cannot grow that far
+        assert_state_equal(first, load_version(base, 3))
+
+
+# --- damaged files --------------------------------------------------------------------------
+
+
+def record_offset(base_dir: Path, step: int, key: str) -> int:
+    layout = CheckpointLayout(base_dir)
+    record = read_commit(layout, step).objects[0]
+    with open_object(str(layout.object_path(step, record.name)), record) as obj:
+        return next(e.offset for e in obj.entries if e.key == key)
+
+
+def test_flipped_data_byte_names_object_and_key(two_versions):
+    path = object_file(two_versions, 2)
+    flip_byte(path, record_offset(two_versions, 2, "large.0") + 100)
+    with pytest.raises(ChecksumError, match="large.0") as info:
+        load_version(two_versions, 2)
+    assert info.value.key == "large.0" and info.value.path == str(path)
+    with pytest.raises(ChecksumError):
+        verify_version(two_versions, 2)
+    assert_state_equal(make_state(1, small_tensors=10), load_version(two_versions, 1))
+
+
+def test_flipped_byte_in_every_region_is_detected(base_dir):
+    state = make_state(9, small_tensors=4, large_numel=1024)
+    with CheckpointSaver(base_dir) as saver:
+        saver.save(1, state)
+    path = object_file(base_dir, 1)
+    pristine = path.read_bytes()
+    size = CheckpointLayout(base_dir).commit_path(1).parent.joinpath(path.name).stat().st_size
+    object_nbytes = struct.unpack_from("<Q", pristine, 16)[0]
+    for offset in [0, 9, 20, 40, 63, HEADER_NBYTES + 5, object_nbytes // 2, object_nbytes - 3]:
+        path.write_bytes(pristine)
+        flip_byte(path, offset)
+        with pytest.raises(CorruptCheckpointError):
+            load_version(base_dir, 1)
+    path.write_bytes(pristine)
+    assert size >= object_nbytes
+    assert_state_equal(state, load_version(base_dir, 1))
+
+
+def test_flipped_byte_in_commit_record(two_versions, caplog):
+    commit = two_versions / "step-2" / "COMMIT"
+    flip_byte(commit, 30)
+    with pytest.raises(CorruptCheckpointError, match="commit record"):
+        load_version(two_versions, 2)
+    with caplog.at_level(logging.WARNING):
+        step, state = load_newest_valid(two_versions)
+    assert step == 1
+    assert "Skipping RAM checkpoint step 2" in caplog.text
+    assert_state_equal(make_state(1, small_tensors=10), state)
+
+
+def test_truncated_object(two_versions):
+    path = object_file(two_versions, 2)
+    os.truncate(path, 4096)
+    with pytest.raises(CorruptCheckpointError, match="truncated"):
+        load_version(two_versions, 2)
+    step, _ = load_newest_valid(two_versions)
+    assert step == 1
+
+
+def test_missing_object(two_versions):
+    object_file(two_versions, 2).unlink()
+    with pytest.raises(CorruptCheckpointError, match="missing"):
+        load_version(two_versions, 2)
+
+
+def test_unknown_object_format_version(two_versions):
+    path = object_file(two_versions, 2)
+    with open(path, "r+b") as handle:
+        header = bytearray(handle.read(HEADER_NBYTES))
+        struct.pack_into("<I", header, 8, 2)
+        struct.pack_into("<I", header, 60, _core.crc32c(bytes(header[:60])))
+        handle.seek(0)
+        handle.write(header)
+    with pytest.raises(FormatVersionError, match="format v2"):
+        load_version(two_versions, 2)
+
+
+def test_unknown_commit_format_version(two_versions):
+    commit = two_versions / "step-2" / "COMMIT"
+    body = commit.read_bytes().rpartition(b"\ncrc32c=")[0].replace(b'"format_version":1', b'"format_version":7')
+    commit.write_bytes(body + f"\ncrc32c={_core.crc32c(body):08x}\n".encode())
+    with pytest.raises(FormatVersionError, match="format v7"):
+        load_version(two_versions, 2)
+
+
+def test_uncommitted_version_does_not_exist(two_versions):
+    (two_versions / "step-2" / "COMMIT").unlink()
+    with pytest.raises(VersionNotFoundError, match="no committed version of step 2"):
+        load_version(two_versions, 2)
+    assert load_newest_valid(two_versions)[0] == 1
+
+
+# --- loading into the wrong places ----------------------------------------------------------
+
+
+def test_missing_key_on_load(two_versions):
+    with pytest.raises(MissingKeyError, match="not_there"):
+        load_version(two_versions, 2, keys=["not_there"])
+    with pytest.raises(MissingKeyError, match="absent"):
+        load_version(two_versions, 2, into={"absent": torch.zeros(1)})
+
+
+@pytest.mark.parametrize(
+    "destination, message",
+    [(torch.zeros(7), r"stored float32\[1048576\]"), (torch.zeros(1 << 20, dtype=torch.float64), "float64")],
+)
+def test_shape_or_dtype_mismatch_leaves_destinations_untouched(two_versions, destination, message):
+    untouched = torch.full((1 << 20,), 5.0)
+    with pytest.raises(LoadMismatchError, match=message):
+        load_version(two_versions, 2, into={"large.0": untouched, "large.1": destination})
+    assert torch.all(untouched == 5.0)
+
+
+def test_bytes_record_into_tensor_is_refused(two_versions):
+    with pytest.raises(LoadMismatchError, match="holds bytes"):
+        load_version(two_versions, 2, into={"extra": torch.zeros(6, dtype=torch.uint8)})
+
+
+def test_wrong_rank_and_empty_base(two_versions):
+    with pytest.raises(VersionNotFoundError, match="no object of rank 3"):
+        load_version(two_versions, 2, rank=3)
+    empty = two_versions / "empty"
+    with pytest.raises(VersionNotFoundError, match="no committed version"):
+        load_version(empty)
+    with pytest.raises(VersionNotFoundError, match="none committed"):
+        load_newest_valid(empty)

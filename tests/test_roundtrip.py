@@ -1,0 +1,196 @@
+"""Save/load round trips of the core: every dtype, odd tensors, many tensors, random states."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ml_flashpoint_nemo.core import (
+    CheckpointSaver,
+    committed_steps,
+    delete_superseded,
+    list_versions,
+    load_version,
+    verify_version,
+)
+from ml_flashpoint_nemo.core.layout import CheckpointLayout
+from ml_flashpoint_nemo.core.values import QUANTIZED_DTYPES
+from tests.support.states import assert_state_equal, make_state, raw_bytes
+
+REQUIRED_DTYPES = {
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
+    torch.complex32, torch.complex64, torch.complex128, torch.bool, torch.int8, torch.int16, torch.int32,
+    torch.int64, torch.uint8, torch.uint16, torch.uint32, torch.uint64,
+}
+
+
+def random_tensor_of(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    """Random bytes reinterpreted as dtype: covers NaN payloads and every bit pattern."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    numel = 1
+    for d in shape:
+        numel *= d
+    gen = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (numel * itemsize,), dtype=torch.uint8, generator=gen)
+    if dtype == torch.bool:
+        raw = raw & 1  # a bool byte other than 0/1 is not a valid bool
+    return raw.view(dtype).reshape(shape)
+
+
+def storable_dtypes() -> list[torch.dtype]:
+    """Every dtype of this torch whose tensors can be created from bytes, less the quantized ones (refused)."""
+    found = []
+    for name in dir(torch):
+        dtype = getattr(torch, name, None)
+        if not isinstance(dtype, torch.dtype) or dtype in found or dtype in QUANTIZED_DTYPES:
+            continue
+        try:
+            random_tensor_of(dtype, (3, 5))
+        except (RuntimeError, TypeError):
+            continue
+        found.append(dtype)
+    return found
+
+
+def test_every_dtype_round_trips_bit_exact(base_dir):
+    dtypes = storable_dtypes()
+    assert REQUIRED_DTYPES <= set(dtypes), f"cannot build {REQUIRED_DTYPES - set(dtypes)}"
+    state = {str(d): random_tensor_of(d, (3, 5), seed=i) for i, d in enumerate(dtypes)}
+    with CheckpointSaver(base_dir) as saver:
+        saver.save(1, state)
+    assert_state_equal(state, load_version(base_dir, 1))
+
+
+def test_odd_tensors_round_trip(base_dir):
+    base = torch.arange(60, dtype=torch.float32).reshape(6, 10)
+    complex_values = torch.randn(8, dtype=torch.complex64)
+    state = {
+        "transposed": base.t(),
+        "strided": base[::2, 1::3],
+        "expanded": torch.tensor([1.0, 2.0]).expand(3, 2),
+        "scalar": torch.tensor(7, dtype=torch.int16),
+        "scalar_bf16": torch.tensor(1.5, dtype=torch.bfloat16),
+        "empty": torch.empty(0, 4),
+        "empty_3d": torch.empty(2, 0, 3, dtype=torch.float16),
+        "conj_view": complex_values.conj(),
+        "neg_view": torch._neg_view(torch.randn(5)),
+        "parameter": torch.nn.Parameter(torch.randn(4, 4)),
+        "offset_view": base.reshape(-1)[7:19],
+        "bytes": b"\x00\x01binary\xff",
+        "bytearray": bytearray(b"abc"),
+        "memoryview": memoryview(b"view-bytes"),
+        "empty_bytes": b"",
+        "unicode key \u00e9\u4e2d": torch.ones(2),
+    }
+    with CheckpointSaver(base_dir) as saver:
+        saver.save(3, state)
+    loaded = load_version(base_dir, 3)
+    assert_state_equal(state, loaded)
+    assert torch.equal(loaded["conj_view"], complex_values.conj().resolve_conj())
+    assert isinstance(loaded["bytes"], bytes)
+
+
+def test_thousands_of_tiny_tensors(base_dir):
+    state = {f"layer.{i}.bias": torch.full((i % 7 + 1,), float(i)) for i in range(3000)}
+    with CheckpointSaver(base_dir) as saver:
+        saver.save(1, state)
+    assert_state_equal(state, load_version(base_dir, 1))
+    assert verify_version(base_dir, 1).records == 3000
+
+
+def test_large_tensor_split_over_threads(base_dir):
+    state = {"big": torch.randn(6 << 20), "small": torch.randn(3)}  # 24 MiB: several pieces per thread
+    with CheckpointSaver(base_dir, threads=2) as saver:
+        saver.save(1, state)
+    assert_state_equal(state, load_version(base_dir, 1, threads=2))
+
+
+def test_load_into_given_tensors_in_place(base_dir):
+    state = make_state(1, small_tensors=20)
+    with CheckpointSaver(base_dir) as saver:
+        saver.save(5, state)
+    contiguous = torch.zeros_like(state["large.0"])
+    strided_storage = torch.zeros(state["large.1"].numel() * 2)
+    strided = strided_storage[::2]
+    loaded = load_version(base_dir, 5, into={"large.0": contiguous, "large.1": strided})
+    assert loaded["large.0"] is contiguous and loaded["large.1"] is strided
+    assert torch.equal(contiguous, state["large.0"])
+    assert torch.equal(strided, state["large.1"])
+    assert torch.count_nonzero(strided_storage[1::2]) == 0  # nothing written between the strides
+    assert_state_equal(state, loaded)
+
+
+def test_load_selected_keys(base_dir):
+    state = make_state(2, small_tensors=5)
+    with CheckpointSaver(base_dir) as saver:
+        saver.save(1, state)
+    loaded = load_version(base_dir, 1, keys=["small.3", "extra"])
+    assert set(loaded) == {"small.3", "extra"}
+    assert torch.equal(raw_bytes(loaded["small.3"]), raw_bytes(state["small.3"]))
+
+
+def test_versions_are_listed_and_superseded_ones_deleted(base_dir):
+    with CheckpointSaver(base_dir) as saver:
+        for step in (10, 20, 30, 40):
+            saver.save(step, make_state(step, small_tensors=3), keep=None, metadata={"note": f"s{step}"})
+        assert [v.step for v in list_versions(base_dir)] == [10, 20, 30, 40]
+        assert list_versions(base_dir)[0].record.metadata == {"note": "s10"}
+        assert delete_superseded(base_dir, keep=2, rank=0, pool=saver.pool) == [10, 20]
+        assert committed_steps(CheckpointLayout(base_dir)) == [30, 40]
+        assert not (base_dir / "step-10").exists()
+        assert_state_equal(make_state(30, small_tensors=3), load_version(base_dir, 30))
+        with pytest.raises(ValueError, match="keep must be >= 1"):
+            delete_superseded(base_dir, keep=0)
+
+
+def test_steady_state_reuses_two_buffers(base_dir):
+    """With keep=1 a save reuses the buffer of the version retired by the previous save: no new files."""
+    with CheckpointSaver(base_dir) as saver:
+        inodes = set()
+        for step in range(1, 8):
+            saver.save(step, make_state(step, small_tensors=3))
+            obj = next((base_dir / f"step-{step}").glob("*.fpo"))
+            inodes.add(os.stat(obj).st_ino)
+        assert len(inodes) == 2
+        assert committed_steps(CheckpointLayout(base_dir)) == [7]
+
+
+def test_checksum_off_still_round_trips(base_dir):
+    state = make_state(4, small_tensors=10)
+    with CheckpointSaver(base_dir, checksum=False) as saver:
+        saver.save(1, state)
+    assert_state_equal(state, load_version(base_dir, 1))
+    verify_version(base_dir, 1)
+
+
+_DTYPES_FOR_PROPERTY = [torch.float32, torch.bfloat16, torch.float64, torch.int32, torch.bool, torch.complex64,
+                        torch.float8_e5m2, torch.uint8]
+
+
+@st.composite
+def tensors(draw):
+    dtype = draw(st.sampled_from(_DTYPES_FOR_PROPERTY))
+    shape = tuple(draw(st.lists(st.integers(0, 6), min_size=0, max_size=3)))
+    tensor = random_tensor_of(dtype, shape, seed=draw(st.integers(0, 2**16)))
+    if tensor.dim() >= 2 and draw(st.booleans()):
+        tensor = tensor.transpose(0, 1)
+    return tensor
+
+
+state_dicts = st.dictionaries(
+    st.text(min_size=1, max_size=12),
+    st.one_of(tensors(), st.binary(max_size=64)),
+    max_size=12,
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(state=state_dicts)
+def test_random_state_dicts_round_trip(base_dir, state):
+    with CheckpointSaver(base_dir) as saver:
+        saver.save(1, state, overwrite=True)
+    assert_state_equal(state, load_version(base_dir, 1))
