@@ -277,9 +277,12 @@ def test_shape_or_dtype_mismatch_leaves_destinations_untouched(two_versions, des
     assert torch.all(untouched == 5.0)
 
 
-def test_bytes_record_into_tensor_is_refused(two_versions):
+def test_bytes_and_tensor_records_need_matching_destinations(two_versions):
     with pytest.raises(LoadMismatchError, match="holds bytes"):
         load_version(two_versions, 2, into={"extra": torch.zeros(6, dtype=torch.uint8)})
+    with pytest.raises(LoadMismatchError, match="must be a torch.Tensor"):
+        load_version(two_versions, 2, into={"large.0": b"placeholder"})
+    assert load_version(two_versions, 2, into={"extra": b""})["extra"] == b"seed=2"
 
 
 def test_wrong_rank_and_empty_base(two_versions):

@@ -96,8 +96,12 @@ def _expected_shape_and_dtype(entry: IndexEntry) -> tuple[torch.Size, torch.dtyp
 
 
 def _check_destination(entry: IndexEntry, destination: Any, path: str) -> None:
+    """A tensor record needs a tensor of its shape and dtype; a bytes record a bytes-like placeholder."""
+    is_bytes_like = isinstance(destination, (bytes, bytearray, memoryview))
     if entry.kind == "bytes":
-        raise LoadMismatchError(f"key {entry.key!r} in {path} holds bytes; it cannot be loaded into a tensor")
+        if not is_bytes_like:
+            raise LoadMismatchError(f"key {entry.key!r} in {path} holds bytes; it cannot be loaded into a tensor")
+        return
     if not isinstance(destination, torch.Tensor):
         raise LoadMismatchError(f"destination of {entry.key!r} must be a torch.Tensor, got {type(destination).__name__}")
     shape, dtype = _expected_shape_and_dtype(entry)
@@ -120,7 +124,10 @@ def read_object(
     keys: Sequence[str] | None = None,
     threads: int | None = None,
 ) -> dict[str, torch.Tensor | bytes]:
-    """Read records of an open object: into the given tensors where given, into new ones otherwise."""
+    """Read records of an open object: into the given tensors where given, into new ones otherwise.
+
+    Bytes records always come back as new bytes (a bytes placeholder in `into` is allowed).
+    """
     threads = threads or default_copy_threads()
     by_key = {e.key: e for e in obj.entries}
     wanted = list(keys) if keys is not None else list(by_key)

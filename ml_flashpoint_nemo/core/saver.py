@@ -6,6 +6,7 @@ import array
 import logging
 import os
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -76,8 +77,11 @@ class CheckpointSaver:
         self.checksum = checksum
         self.pool = pool or BufferPool(self.layout, rank, max_free=max_free_buffers)
 
-    def warm_up(self, nbytes: int, count: int = 1):
-        """Pre-create and pre-fault buffers for saves of about nbytes, in the background."""
+    def warm_up(self, nbytes: int, count: int = 2) -> "Future[None]":
+        """Pre-create and pre-fault `count` buffers for saves of about nbytes, in the background.
+
+        Keeping k versions needs k + 1 buffers: the next save fills one while k are committed.
+        """
         return self.pool.start_warmup(nbytes, count)
 
     def write_object(self, step: int, state: Mapping[str, Any], *, overwrite: bool = False) -> WrittenObject:
