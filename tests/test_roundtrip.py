@@ -194,3 +194,19 @@ def test_random_state_dicts_round_trip(base_dir, state):
     with CheckpointSaver(base_dir) as saver:
         saver.save(1, state, overwrite=True)
     assert_state_equal(state, load_version(base_dir, 1))
+
+
+def test_cached_layout_is_revalidated_every_save(base_dir):
+    """The saver reuses the previous layout only if keys, dtypes and shapes are all unchanged."""
+    states = [
+        {"a": torch.randn(4, 4), "b": torch.randn(3)},
+        {"a": torch.randn(4, 4), "b": torch.randn(3)},  # same structure: cached layout
+        {"a": torch.randn(2, 8), "b": torch.randn(3)},  # same bytes, other shape
+        {"a": torch.randn(4, 4, dtype=torch.float64), "b": torch.randn(3)},  # other dtype
+        {"b": torch.randn(3), "a": torch.randn(4, 4)},  # other order
+        {"a": torch.randn(4, 4), "b": b"now bytes"},  # other kind
+    ]
+    with CheckpointSaver(base_dir) as saver:
+        for step, state in enumerate(states):
+            saver.save(step, state)
+            assert_state_equal(state, load_version(base_dir, step))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Literal
+from typing import Any, Iterable, Literal, Sequence
 
 from ml_flashpoint_nemo import _core
 from ml_flashpoint_nemo.errors import CorruptCheckpointError, FormatVersionError
@@ -53,16 +53,17 @@ class IndexEntry:
     nbytes: int
     crc32c: int = 0
 
-    def to_json(self) -> dict[str, Any]:
-        return {
+    def json_without_crc(self) -> str:
+        """This entry as a JSON object missing its closing brace and its last field, crc32c."""
+        fields = {
             "key": self.key,
             "kind": self.kind,
             "dtype": self.dtype,
             "shape": list(self.shape),
             "offset": self.offset,
             "nbytes": self.nbytes,
-            "crc32c": f"{self.crc32c:08x}",  # fixed width: the index size is known before copying
         }
+        return json.dumps(fields, separators=(",", ":"), ensure_ascii=False)[:-1]
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> "IndexEntry":
@@ -73,16 +74,49 @@ class IndexEntry:
             key=str(raw["key"]),
             kind=kind,
             dtype=str(raw["dtype"]),
-            shape=tuple(int(d) for d in raw["shape"]),
+            shape=tuple(map(int, raw["shape"])),
             offset=int(raw["offset"]),
             nbytes=int(raw["nbytes"]),
             crc32c=int(raw["crc32c"], 16),
         )
 
 
-def encode_index(entries: Iterable[IndexEntry]) -> bytes:
-    payload = {"format_version": FORMAT_VERSION, "records": [e.to_json() for e in entries]}
-    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+_CRC_FIELD = ',"crc32c":"'
+_CRC_HEX_DIGITS = 8
+
+
+class IndexTemplate:
+    """The encoded index with a fixed-width slot for each record's CRC32C.
+
+    Built once per object layout; each save only writes its CRCs into the slots, so
+    a state of thousands of tensors is not re-encoded to JSON on every save.
+    """
+
+    def __init__(self, entries: Sequence[IndexEntry]) -> None:
+        parts = [f'{{"format_version":{FORMAT_VERSION},"records":[']
+        length = len(parts[0].encode("utf-8"))
+        self.crc_slots: list[int] = []
+        for i, entry in enumerate(entries):
+            part = ("," if i else "") + entry.json_without_crc() + _CRC_FIELD
+            length += len(part.encode("utf-8"))
+            self.crc_slots.append(length)
+            parts += [part, "0" * _CRC_HEX_DIGITS + '"}']
+            length += _CRC_HEX_DIGITS + 2
+        parts.append("]}")
+        self.template = "".join(parts).encode("utf-8")
+
+    def __len__(self) -> int:
+        return len(self.template)
+
+    def fill(self, crcs: Sequence[int]) -> bytes:
+        encoded = bytearray(self.template)
+        for slot, crc in zip(self.crc_slots, crcs):
+            encoded[slot : slot + _CRC_HEX_DIGITS] = b"%08x" % crc
+        return bytes(encoded)
+
+
+def encode_index(entries: Sequence[IndexEntry]) -> bytes:
+    return IndexTemplate(entries).fill([e.crc32c for e in entries])
 
 
 def decode_index(raw: bytes, path: str) -> list[IndexEntry]:
@@ -232,11 +266,11 @@ class ObjectPlan:
 
     entries: list[IndexEntry]
     index_offset: int
-    index_nbytes: int
+    index: IndexTemplate
 
     @property
     def object_nbytes(self) -> int:
-        return self.index_offset + self.index_nbytes
+        return self.index_offset + len(self.index)
 
 
 def plan_object(values: Iterable[tuple[str, RecordKind, str, tuple[int, ...], int]]) -> ObjectPlan:
@@ -247,6 +281,4 @@ def plan_object(values: Iterable[tuple[str, RecordKind, str, tuple[int, ...], in
         offset = align_up(offset, record_alignment(nbytes))
         entries.append(IndexEntry(key, kind, dtype, shape, offset, nbytes))
         offset += nbytes
-    index_offset = align_up(offset, RECORD_ALIGNMENT)
-    # CRC fields are fixed-width hex, so the size with placeholder CRCs is the final size.
-    return ObjectPlan(entries, index_offset, len(encode_index(entries)))
+    return ObjectPlan(entries, align_up(offset, RECORD_ALIGNMENT), IndexTemplate(entries))

@@ -91,8 +91,8 @@ def _check_crc(obj: OpenObject, entry: IndexEntry, actual: int) -> None:
         )
 
 
-def _expected_shape_and_dtype(entry: IndexEntry) -> tuple[torch.Size, torch.dtype]:
-    return torch.Size(entry.shape), dtype_from_name(entry.dtype)
+def _expected_shape_and_dtype(entry: IndexEntry) -> tuple[tuple[int, ...], torch.dtype]:
+    return entry.shape, dtype_from_name(entry.dtype)
 
 
 def _check_destination(entry: IndexEntry, destination: Any, path: str) -> None:
@@ -132,7 +132,8 @@ def read_object(
     by_key = {e.key: e for e in obj.entries}
     wanted = list(keys) if keys is not None else list(by_key)
     if into:
-        wanted += [k for k in into if k not in set(wanted)]
+        already = set(wanted)
+        wanted += [k for k in into if k not in already]
     missing = [k for k in wanted if k not in by_key]
     if missing:
         raise MissingKeyError(
@@ -155,9 +156,9 @@ def read_object(
             continue
         destination = into.get(key)
         target = destination
-        if destination is None or destination.device.type != "cpu" or not destination.is_contiguous():
+        if destination is None or not destination.is_cpu or not destination.is_contiguous():
             shape, dtype = _expected_shape_and_dtype(entry)
-            pin = destination is not None and destination.device.type == "cuda"
+            pin = destination is not None and destination.is_cuda
             target = torch.empty(shape, dtype=dtype, pin_memory=pin)
             if destination is not None:
                 staged.append((target, destination))

@@ -18,8 +18,8 @@ from ml_flashpoint_nemo.core.format import (
     CommitRecord,
     IndexEntry,
     ObjectHeader,
+    ObjectPlan,
     ObjectRecord,
-    encode_index,
     plan_object,
 )
 from ml_flashpoint_nemo.core.layout import CheckpointLayout, object_name
@@ -76,6 +76,8 @@ class CheckpointSaver:
         self.threads = threads or default_copy_threads()
         self.checksum = checksum
         self.pool = pool or BufferPool(self.layout, rank, max_free=max_free_buffers)
+        self._plan: ObjectPlan | None = None
+        self._plan_signature: list[tuple] | None = None
 
     def warm_up(self, nbytes: int, count: int = 2) -> "Future[None]":
         """Pre-create and pre-fault `count` buffers for saves of about nbytes, in the background.
@@ -94,12 +96,10 @@ class CheckpointSaver:
                     "(the old version is removed before the new one is written)"
                 )
             retire_version(self.layout, step, rank=None, pool=self.pool)
-        plan = plan_object((v.key, v.kind, v.dtype, v.shape, v.nbytes) for v in values)
+        plan = self._plan_for(values)
         buffer = self.pool.acquire(plan.object_nbytes)
         try:
-            self._copy_values(buffer, values, plan.entries)
-            index = encode_index(plan.entries)
-            assert len(index) == plan.index_nbytes, "index size changed after filling in CRCs"
+            index = plan.index.fill(self._copy_values(buffer, values, plan.entries))
             header = ObjectHeader(
                 object_nbytes=plan.object_nbytes,
                 index_offset=plan.index_offset,
@@ -124,29 +124,40 @@ class CheckpointSaver:
         record = ObjectRecord(name, self.rank, plan.object_nbytes, _core.crc32c(index, _core.crc32c(header)))
         return WrittenObject(record, sum(v.nbytes for v in values))
 
-    def _copy_values(self, buffer: _core.ShmBuffer, values: list[PreparedValue], entries: list[IndexEntry]) -> None:
-        direct = array.array("Q")
-        direct_entries = []
-        indirect = []
-        for value, entry in zip(values, entries):
-            if value.is_direct:
-                direct.extend((value.tensor.data_ptr() if value.nbytes else 0, entry.offset, value.nbytes))
-                direct_entries.append(entry)
-            else:
-                indirect.append((value, entry))
-        crcs = _core.copy_into_buffer(buffer, direct, self.checksum, self.threads)
-        for entry, crc in zip(direct_entries, crcs):
-            entry.crc32c = crc
-        if indirect:
-            self._copy_with_torch(buffer, indirect)
+    def _plan_for(self, values: list[PreparedValue]) -> ObjectPlan:
+        """The layout of the previous save when keys, dtypes and shapes are unchanged (checked every save)."""
+        signature = [(v.key, v.kind, v.dtype, v.shape, v.nbytes) for v in values]
+        if self._plan is None or self._plan_signature != signature:
+            self._plan, self._plan_signature = plan_object(signature), signature
+        return self._plan
 
-    def _copy_with_torch(self, buffer: _core.ShmBuffer, items: list[tuple[PreparedValue, IndexEntry]]) -> None:
+    def _copy_values(self, buffer: _core.ShmBuffer, values: list[PreparedValue], entries: list[IndexEntry]) -> list[int]:
+        """Copy every value to its record's offset; returns the records' CRC32Cs (zeros with checksum off)."""
+        crcs = [0] * len(values)
+        direct_ops = array.array("Q")
+        direct_positions = []
+        indirect_positions = []
+        for position, (value, entry) in enumerate(zip(values, entries)):
+            if value.is_direct:
+                direct_ops.extend((value.tensor.data_ptr() if value.nbytes else 0, entry.offset, value.nbytes))
+                direct_positions.append(position)
+            else:
+                indirect_positions.append(position)
+        for position, crc in zip(direct_positions, _core.copy_into_buffer(buffer, direct_ops, self.checksum, self.threads)):
+            crcs[position] = crc
+        if indirect_positions:
+            items = [(values[p], entries[p]) for p in indirect_positions]
+            for position, crc in zip(indirect_positions, self._copy_with_torch(buffer, items)):
+                crcs[position] = crc
+        return crcs
+
+    def _copy_with_torch(self, buffer: _core.ShmBuffer, items: list[tuple[PreparedValue, IndexEntry]]) -> list[int]:
         """Values the C++ engine cannot read directly: bytes, strided and device tensors.
 
         Device tensors are copied by torch straight into the mapped buffer (one D2H copy),
-        then checksummed in place.
+        then checksummed in place. Returns their CRC32Cs.
         """
-        with memoryview(buffer) as view:
+        with memoryview(buffer) as view, torch.no_grad():
             for value, entry in items:
                 if value.nbytes == 0:
                     continue
@@ -157,12 +168,12 @@ class CheckpointSaver:
                 # copy_ from a device tensor into pageable host memory returns once the bytes are here.
                 target.view(value.tensor.dtype).view(value.shape).copy_(value.tensor)
                 del target
-        if self.checksum:
-            ranges = array.array("Q")
-            for _, entry in items:
-                ranges.extend((entry.offset, entry.nbytes))
-            for (_, entry), crc in zip(items, _core.checksum_buffer_ranges(buffer, ranges, self.threads)):
-                entry.crc32c = crc
+        if not self.checksum:
+            return [0] * len(items)
+        ranges = array.array("Q")
+        for _, entry in items:
+            ranges.extend((entry.offset, entry.nbytes))
+        return _core.checksum_buffer_ranges(buffer, ranges, self.threads)
 
     def commit(
         self, step: int, objects: list[ObjectRecord], *, world_size: int = 1, metadata: dict[str, Any] | None = None

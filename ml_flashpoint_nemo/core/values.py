@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Mapping, Union
 
@@ -40,6 +41,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+@functools.lru_cache(maxsize=None)
 def dtype_from_name(name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
@@ -53,7 +55,7 @@ def prepare_value(key: Any, value: Any) -> PreparedValue:
     """Check that value can be stored under key and describe its bytes."""
     if not isinstance(key, str):
         raise UnsupportedValueError(f"state keys must be str, got {type(key).__name__} {key!r}")
-    if isinstance(value, torch.Tensor):
+    if type(value) in _PLAIN_TENSOR_TYPES:
         return _prepare_tensor(key, value)
     if isinstance(value, (bytes, bytearray, memoryview)):
         view = memoryview(value)
@@ -61,6 +63,11 @@ def prepare_value(key: Any, value: Any) -> PreparedValue:
             raise UnsupportedValueError(f"value of {key!r} is a non-contiguous memoryview; pass bytes(...) instead")
         view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
         return PreparedValue(key, "bytes", "uint8", (view.nbytes,), view.nbytes, data=view)
+    if isinstance(value, torch.Tensor):
+        raise UnsupportedValueError(
+            f"value of {key!r} is a {type(value).__name__}; the core stores plain tensors only. "
+            "Use the DCP or Megatron adapter for distributed tensor types."
+        )
     raise UnsupportedValueError(
         f"value of {key!r} is a {type(value).__name__}; only torch.Tensor and bytes can be stored. "
         "Serialize other objects to bytes first (the DCP and Megatron adapters do this for you)."
@@ -68,11 +75,6 @@ def prepare_value(key: Any, value: Any) -> PreparedValue:
 
 
 def _prepare_tensor(key: str, tensor: torch.Tensor) -> PreparedValue:
-    if type(tensor) not in _PLAIN_TENSOR_TYPES:
-        raise UnsupportedValueError(
-            f"value of {key!r} is a {type(tensor).__name__}; the core stores plain tensors only. "
-            "Use the DCP or Megatron adapter for distributed tensor types."
-        )
     if tensor.layout != torch.strided:
         raise UnsupportedValueError(f"value of {key!r} has layout {tensor.layout}; convert it with .to_dense() first")
     if tensor.is_quantized or tensor.dtype in QUANTIZED_DTYPES:
@@ -81,7 +83,6 @@ def _prepare_tensor(key: str, tensor: torch.Tensor) -> PreparedValue:
         )
     if tensor.device.type == "meta":
         raise UnsupportedValueError(f"value of {key!r} is on the meta device and has no data to save")
-    tensor = tensor.detach()
     if tensor.is_conj():
         tensor = tensor.resolve_conj()
     if tensor.is_neg():
