@@ -89,6 +89,10 @@ class BufferPool:
         return str(self.directory / f"{_BUFFER_PREFIX}{uuid.uuid4().hex}")
 
     @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
     def free_bytes(self) -> int:
         with self._mutex:
             return sum(b.size for b in self._free)

@@ -95,7 +95,8 @@ class CheckpointSaver:
                     f"step {step} is already committed in {self.layout.base_dir}; pass overwrite=True to replace it "
                     "(the old version is removed before the new one is written)"
                 )
-            retire_version(self.layout, step, rank=None, pool=self.pool)
+            # Only this rank's objects: other ranks of a multi-rank save retire their own.
+            retire_version(self.layout, step, rank=self.rank, pool=self.pool)
         plan = self._plan_for(values)
         buffer = self.pool.acquire(plan.object_nbytes)
         try:

@@ -114,16 +114,18 @@ def list_versions(base_dir: str | os.PathLike[str]) -> list[VersionInfo]:
 def retire_version(layout: CheckpointLayout, step: int, *, rank: int | None, pool: BufferPool | None = None) -> None:
     """Remove a version: its commit record first, then the objects of `rank` (all ranks if None).
 
-    With a pool, the objects' files go back into it for reuse instead of being deleted.
+    Version-level files (commit record, adapter metadata) go with the first caller; objects
+    of other ranks are left to those ranks. With a pool, this rank's object files go back into
+    it for reuse instead of being deleted.
     """
     directory = layout.version_dir(step)
     layout.commit_path(step).unlink(missing_ok=True)
     for name in _list_dir(directory):
         owner = rank_of_object(name)
         path = directory / name
-        if owner is None and name.startswith(f".{COMMIT_NAME}.tmp-"):
+        if owner is None:
             path.unlink(missing_ok=True)
-        elif owner is not None and (rank is None or owner == rank):
+        elif rank is None or owner == rank:
             if pool is not None and owner == pool.rank:
                 pool.recycle(path)
             else:

@@ -1,0 +1,211 @@
+"""MemoryStorageWriter: a DCP StorageWriter (and AsyncStager) that saves into RAM versions.
+
+Every rank writes the items of its plan as one object of version N; the coordinator's
+finish() writes DCP's metadata and then the commit record, so a dcp.save that returns
+has left a committed, loadable version. Older versions are retired at the start of the
+next save, each rank recycling its own buffers, once the newer version is committed.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import pickle
+import uuid
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+
+from ml_flashpoint_nemo import _core
+from ml_flashpoint_nemo.core.layout import CheckpointLayout
+from ml_flashpoint_nemo.core.saver import CheckpointSaver
+from ml_flashpoint_nemo.core.versions import delete_superseded, write_commit
+from ml_flashpoint_nemo.dcp.staging import StagingBuffers
+from ml_flashpoint_nemo.dcp.storage_info import (
+    DCP_METADATA_NAME,
+    FlashpointStorageInfo,
+    record_key,
+    step_of_checkpoint_id,
+)
+from ml_flashpoint_nemo.errors import BaseDirError
+
+logger = logging.getLogger(__name__)
+
+
+class MemoryStorageWriter(StorageWriter, AsyncStager):
+    """Writes DCP checkpoints as flashpoint versions under base_dir (one object per rank).
+
+    Use checkpoint_id=<base_dir>/step-<N>. `keep` committed versions are kept; the
+    writer may be reused for every save of a job (its buffers are reused too).
+    """
+
+    _synchronize_after_execute = False
+
+    def __init__(
+        self,
+        base_dir: str | os.PathLike[str],
+        *,
+        keep: int = 1,
+        checksum: bool = True,
+        threads: int | None = None,
+        manager_future: "Future[Any] | None" = None,
+    ) -> None:
+        super().__init__()
+        self.layout = CheckpointLayout(base_dir)
+        self.keep = keep
+        self.checksum = checksum
+        self.threads = threads
+        self.manager_future = manager_future
+        self.step: int | None = None
+        self.checkpoint_id: str | None = None
+        self.save_id = uuid.uuid4().hex
+        self.rank = 0
+        self.is_coordinator = False
+        self._saver: CheckpointSaver | None = None
+        self._staging = StagingBuffers()
+
+    # --- pickling (DCP's process executor sends the writer to another process) ---------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_saver"] = None  # buffers and the pool lock belong to the process that made them
+        state["_staging"] = None
+        state["manager_future"] = None  # a Future and its Manager cannot cross processes
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._staging = StagingBuffers()
+
+    # --- StorageWriter ---------------------------------------------------------------------
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return os.path.basename(os.fspath(checkpoint_id)).startswith("step-")
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is None:
+            raise BaseDirError(
+                f"MemoryStorageWriter needs checkpoint_id={self.layout.base_dir}/step-<N> to know the step"
+            )
+        self.step = step_of_checkpoint_id(self.layout, checkpoint_id)
+        self.checkpoint_id = os.fspath(checkpoint_id)
+        self.save_id = uuid.uuid4().hex
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        # Objects and pools are per global rank, whatever process group DCP was given.
+        self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(kwargs.get("rank") or 0)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    def _saver_for_rank(self) -> CheckpointSaver:
+        if self._saver is None or self._saver.rank != self.rank:
+            self._saver = _process_saver(self.layout, self.rank)
+        self._saver.threads = self.threads or self._saver.threads
+        self._saver.checksum = self.checksum
+        return self._saver
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> "torch.futures.Future[list[WriteResult]]":
+        if self.step is None:
+            raise BaseDirError("write_data called before reset(checkpoint_id): pass checkpoint_id to dcp.save")
+        saver = self._saver_for_rank()
+        delete_superseded(self.layout.base_dir, keep=self.keep, rank=self.rank, pool=saver.pool)
+        flat: dict[str, Any] = {}
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                data = data.getbuffer() if isinstance(data, io.BytesIO) else bytes(data)
+            flat[record_key(item.index)] = data
+        written = saver.write_object(self.step, flat, overwrite=True)
+        results = [
+            WriteResult(
+                index=item.index,
+                size_in_bytes=_nbytes(flat[record_key(item.index)]),
+                storage_data=FlashpointStorageInfo(written.record, record_key(item.index)),
+            )
+            for item in plan.items
+        ]
+        future: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        if self.step is None:
+            raise BaseDirError("finish called before reset(checkpoint_id)")
+        metadata.storage_data = {wr.index: wr.storage_data for per_rank in results for wr in per_rank}
+        metadata.storage_meta = self.storage_meta()
+        objects = {wr.storage_data.object for per_rank in results for wr in per_rank}
+        encoded = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+        version_dir = self.layout.version_dir(self.step)
+        version_dir.mkdir(parents=True, exist_ok=True)
+        temporary = version_dir / f"{DCP_METADATA_NAME}.tmp-{os.getpid()}"
+        temporary.write_bytes(encoded)
+        os.rename(temporary, version_dir / DCP_METADATA_NAME)
+        write_commit(
+            self.layout,
+            self.step,
+            sorted(objects, key=lambda o: (o.rank, o.name)),
+            world_size=len(results),
+            metadata={
+                "kind": "dcp",
+                "dcp_metadata": {"name": DCP_METADATA_NAME, "nbytes": len(encoded), "crc32c": _core.crc32c(encoded)},
+                "save_id": self.save_id,
+            },
+        )
+        logger.debug("Committed DCP version %d with %d objects", self.step, len(objects))
+
+    # --- AsyncStager -----------------------------------------------------------------------
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """One copy of the state into reused host buffers; training may continue after this."""
+        return self._staging.stage(state_dict)
+
+    def synchronize_staging(self) -> None:
+        """Staging is synchronous: nothing to wait for."""
+
+    def close(self) -> None:
+        """Release staging buffers and this rank's buffer pool (the RAM versions stay)."""
+        self._staging.clear()
+        if self._saver is not None:
+            _SAVERS.pop((str(self.layout.base_dir), self._saver.rank), None)
+            self._saver.close()
+            self._saver = None
+
+
+# One saver per (base dir, rank) and process. DCP's process executor unpickles a fresh
+# writer for every save into the same background process; they must share the pool
+# (a second pool for the same rank is refused) and its warm buffers.
+_SAVERS: dict[tuple[str, int], CheckpointSaver] = {}
+
+
+def _process_saver(layout: CheckpointLayout, rank: int) -> CheckpointSaver:
+    key = (str(layout.base_dir), rank)
+    saver = _SAVERS.get(key)
+    if saver is None or saver.pool.closed:
+        saver = _SAVERS[key] = CheckpointSaver(layout.base_dir, rank)
+    return saver
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    return memoryview(value).nbytes

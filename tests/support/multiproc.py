@@ -1,0 +1,67 @@
+"""Run a scenario on N real processes joined by torch.distributed (gloo on CPU).
+
+Each rank is its own Python process (python -m tests.support.<module> <scenario> ...),
+so a test sees real process boundaries, real collectives and real exit codes, and a
+hung rank is killed at the timeout instead of hanging the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_world(module: str, scenario: str, world_size: int, params: dict[str, Any], *, timeout: float = 180) -> list[str]:
+    """Start world_size ranks of module's scenario; return each rank's stdout. Fails on any non-zero exit."""
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   OMP_NUM_THREADS="1", FLASHPOINT_COPY_THREADS="1")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", f"tests.support.{module}", scenario, json.dumps(params)],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        ))
+    deadline = time.monotonic() + timeout
+    outputs, failures = [], []
+    for rank, proc in enumerate(procs):
+        try:
+            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            out, err = proc.communicate()
+            failures.append(f"rank {rank} timed out after {timeout}s\n{err[-3000:]}")
+            continue
+        outputs.append(out)
+        if proc.returncode != 0:
+            failures.append(f"rank {rank} exited with {proc.returncode}\n{err[-3000:]}")
+    assert not failures, "\n".join(failures)
+    return outputs
+
+
+def scenario_main(scenarios: dict[str, Callable[[dict[str, Any]], None]]) -> None:
+    """Entry point of a scenario module: set up the process group, run the scenario, tear down."""
+    import torch.distributed as dist
+
+    name, params = sys.argv[1], json.loads(sys.argv[2])
+    dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=120))
+    try:
+        scenarios[name](params)
+    finally:
+        dist.destroy_process_group()
