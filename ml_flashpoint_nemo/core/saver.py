@@ -15,6 +15,7 @@ import torch
 from ml_flashpoint_nemo import _core
 from ml_flashpoint_nemo.core.format import (
     FLAG_NO_DATA_CRC,
+    HEADER_NBYTES,
     CommitRecord,
     IndexEntry,
     ObjectHeader,
@@ -27,7 +28,7 @@ from ml_flashpoint_nemo.core.pool import BufferPool, raise_if_out_of_space
 from ml_flashpoint_nemo.core.tuning import default_copy_threads
 from ml_flashpoint_nemo.core.values import PreparedValue, prepare_state
 from ml_flashpoint_nemo.core.versions import delete_superseded, retire_version, write_commit
-from ml_flashpoint_nemo.errors import VersionExistsError
+from ml_flashpoint_nemo.errors import CorruptCheckpointError, VersionExistsError
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,23 @@ class CheckpointSaver:
         return self.pool.start_warmup(nbytes, count)
 
     def write_object(self, step: int, state: Mapping[str, Any], *, overwrite: bool = False) -> WrittenObject:
-        """Write this rank's state as an (uncommitted) object of version `step`."""
+        """Write this rank's state as an (uncommitted) object of version `step`: stage, seal, place."""
+        staged = self.stage_object(step, state, overwrite=overwrite)
+        try:
+            seal_object(staged.seal_job, self.threads)
+        except BaseException:
+            self.abandon(staged)
+            raise
+        return self.place(staged)
+
+    def stage_object(
+        self, step: int, state: Mapping[str, Any], *, overwrite: bool = False, defer_checksums: bool = False
+    ) -> "StagedObject":
+        """Copy the state into a pool buffer: the only part of a save the caller must wait for.
+
+        With defer_checksums the copy is a plain memcpy and the CRCs are computed by
+        seal_object, which may then run in the background or in another process.
+        """
         values = prepare_state(state)
         if self.layout.is_committed(step):
             if not overwrite:
@@ -100,30 +117,42 @@ class CheckpointSaver:
         plan = self._plan_for(values)
         buffer = self.pool.acquire(plan.object_nbytes)
         try:
-            index = plan.index.fill(self._copy_values(buffer, values, plan.entries))
-            header = ObjectHeader(
-                object_nbytes=plan.object_nbytes,
-                index_offset=plan.index_offset,
-                index_nbytes=len(index),
-                index_crc32c=_core.crc32c(index),
-                record_count=len(plan.entries),
-                writer_rank=self.rank,
-                flags=0 if self.checksum else FLAG_NO_DATA_CRC,
-            ).encode()
             with memoryview(buffer) as view:
-                view[plan.index_offset : plan.object_nbytes] = index
-                view[: len(header)] = header
-            name = object_name(self.rank)
-            version_dir = self.layout.version_dir(step)
-            version_dir.mkdir(parents=True, exist_ok=True)
-            self.pool.place(buffer, version_dir / name)
+                view[:HEADER_NBYTES] = bytes(HEADER_NBYTES)  # no valid header until sealed
+            crcs = self._copy_values(buffer, values, plan.entries, self.checksum and not defer_checksums)
         except BaseException as exc:
             self.pool.release(buffer)
             if isinstance(exc, OSError):
                 raise_if_out_of_space(exc, f"step {step}")
             raise
-        record = ObjectRecord(name, self.rank, plan.object_nbytes, _core.crc32c(index, _core.crc32c(header)))
-        return WrittenObject(record, sum(v.nbytes for v in values))
+        job = SealJob(
+            path=buffer.path,
+            rank=self.rank,
+            plan=plan,
+            crcs=None if (self.checksum and defer_checksums) else crcs,
+            checksum=self.checksum,
+        )
+        return StagedObject(step, buffer, job, sum(v.nbytes for v in values))
+
+    def place(self, staged: "StagedObject") -> WrittenObject:
+        """Check the sealed object and rename it into its version directory (still uncommitted)."""
+        try:
+            record_crc = read_sealed_checksum(staged.seal_job)
+            name = object_name(self.rank)
+            version_dir = self.layout.version_dir(staged.step)
+            version_dir.mkdir(parents=True, exist_ok=True)
+            self.pool.place(staged.buffer, version_dir / name)
+        except BaseException as exc:
+            self.pool.release(staged.buffer)
+            if isinstance(exc, OSError):
+                raise_if_out_of_space(exc, f"step {staged.step}")
+            raise
+        return WrittenObject(ObjectRecord(name, self.rank, staged.seal_job.plan.object_nbytes, record_crc),
+                             staged.data_nbytes)
+
+    def abandon(self, staged: "StagedObject") -> None:
+        """Give a staged buffer back to the pool after a failed save."""
+        self.pool.release(staged.buffer)
 
     def _plan_for(self, values: list[PreparedValue]) -> ObjectPlan:
         """The layout of the previous save when keys, dtypes and shapes are unchanged (checked every save)."""
@@ -132,8 +161,10 @@ class CheckpointSaver:
             self._plan, self._plan_signature = plan_object(signature), signature
         return self._plan
 
-    def _copy_values(self, buffer: _core.ShmBuffer, values: list[PreparedValue], entries: list[IndexEntry]) -> list[int]:
-        """Copy every value to its record's offset; returns the records' CRC32Cs (zeros with checksum off)."""
+    def _copy_values(
+        self, buffer: _core.ShmBuffer, values: list[PreparedValue], entries: list[IndexEntry], checksum: bool
+    ) -> list[int]:
+        """Copy every value to its record's offset; returns the records' CRC32Cs (zeros without checksum)."""
         crcs = [0] * len(values)
         direct_ops = array.array("Q")
         direct_positions = []
@@ -144,15 +175,17 @@ class CheckpointSaver:
                 direct_positions.append(position)
             else:
                 indirect_positions.append(position)
-        for position, crc in zip(direct_positions, _core.copy_into_buffer(buffer, direct_ops, self.checksum, self.threads)):
+        for position, crc in zip(direct_positions, _core.copy_into_buffer(buffer, direct_ops, checksum, self.threads)):
             crcs[position] = crc
         if indirect_positions:
             items = [(values[p], entries[p]) for p in indirect_positions]
-            for position, crc in zip(indirect_positions, self._copy_with_torch(buffer, items)):
+            for position, crc in zip(indirect_positions, self._copy_with_torch(buffer, items, checksum)):
                 crcs[position] = crc
         return crcs
 
-    def _copy_with_torch(self, buffer: _core.ShmBuffer, items: list[tuple[PreparedValue, IndexEntry]]) -> list[int]:
+    def _copy_with_torch(
+        self, buffer: _core.ShmBuffer, items: list[tuple[PreparedValue, IndexEntry]], checksum: bool
+    ) -> list[int]:
         """Values the C++ engine cannot read directly: bytes, strided and device tensors.
 
         Device tensors are copied by torch straight into the mapped buffer (one D2H copy),
@@ -169,7 +202,7 @@ class CheckpointSaver:
                 # copy_ from a device tensor into pageable host memory returns once the bytes are here.
                 target.view(value.tensor.dtype).view(value.shape).copy_(value.tensor)
                 del target
-        if not self.checksum:
+        if not checksum:
             return [0] * len(items)
         ranges = array.array("Q")
         for _, entry in items:
@@ -209,3 +242,78 @@ class CheckpointSaver:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@dataclass(frozen=True)
+class SealJob:
+    """Everything needed to finish a staged object from any process: picklable, addressed by path."""
+
+    path: str
+    rank: int
+    plan: ObjectPlan
+    crcs: list[int] | None  # None: compute the data CRCs from the file
+    checksum: bool
+
+
+@dataclass
+class StagedObject:
+    """An object whose data sits in a pool buffer; sealing writes its index and header."""
+
+    step: int
+    buffer: _core.ShmBuffer
+    seal_job: SealJob
+    data_nbytes: int
+
+
+def seal_object(job: SealJob, threads: int = 1) -> None:
+    """Write a staged object's index and then its header (computing data CRCs first if needed).
+
+    Runs in the saving process or in a background worker process; it touches only the
+    object's file. The header goes last, so a valid header means a complete object.
+    """
+    plan = job.plan
+    fd = os.open(job.path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        crcs = job.crcs
+        if crcs is None:
+            ranges = array.array("Q")
+            for entry in plan.entries:
+                ranges.extend((entry.offset, entry.nbytes))
+            crcs = _core.checksum_file_ranges(fd, ranges, threads)
+        index = plan.index.fill(crcs if job.checksum else [0] * len(plan.entries))
+        header = ObjectHeader(
+            object_nbytes=plan.object_nbytes,
+            index_offset=plan.index_offset,
+            index_nbytes=len(index),
+            index_crc32c=_core.crc32c(index),
+            record_count=len(plan.entries),
+            writer_rank=job.rank,
+            flags=0 if job.checksum else FLAG_NO_DATA_CRC,
+        ).encode()
+        os.pwrite(fd, index, plan.index_offset)
+        os.pwrite(fd, header, 0)
+    finally:
+        os.close(fd)
+
+
+def read_sealed_checksum(job: SealJob) -> int:
+    """The object's checksum for the commit record, read back; fails if sealing did not complete."""
+    plan = job.plan
+    fd = os.open(job.path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        header_bytes = os.pread(fd, HEADER_NBYTES, 0)
+        try:
+            header = ObjectHeader.decode(header_bytes, job.path)
+        except CorruptCheckpointError as exc:
+            raise CorruptCheckpointError(
+                f"the object staged in {job.path} was never sealed: its background write failed or was killed "
+                "(see that worker's log). The save was abandoned; earlier versions are intact."
+            ) from exc
+        if header.object_nbytes != plan.object_nbytes or header.index_offset != plan.index_offset:
+            raise CorruptCheckpointError(f"the object sealed in {job.path} does not match the layout it was staged with")
+        index = os.pread(fd, header.index_nbytes, header.index_offset)
+        if _core.crc32c(index) != header.index_crc32c:
+            raise CorruptCheckpointError(f"the index sealed in {job.path} fails its checksum")
+        return _core.crc32c(index, _core.crc32c(header_bytes))
+    finally:
+        os.close(fd)
