@@ -1,0 +1,240 @@
+"""Megatron dist_checkpointing strategies that save to and load from RAM versions.
+
+    dist_checkpointing.save(sharded_sd, f"{base}/step-{n}", sharded_strategy=FlashpointSaveStrategy())
+    request = dist_checkpointing.save(..., sharded_strategy=strategy, async_sharded_save=True)
+    async_queue.schedule_async_request(request)          # AsyncCallsQueue, persistent or not
+    dist_checkpointing.load(sharded_sd, f"{base}/step-{n}", sharded_strategy=FlashpointLoadStrategy())
+
+Save: planning (Megatron's planner, cached by Megatron when unchanged) and one
+staging copy into this rank's pool buffer happen in the caller; the AsyncRequest's
+function computes the checksums and seals the object in whatever process Megatron
+runs it; finalization (in the trainer) places the object, gathers every rank's object
+record and commits the version on the coordinator. The coordinator writes Megatron's
+metadata.json and DCP's metadata before the commit record, so a committed version is
+complete for dist_checkpointing.load.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedStateDict, ShardedTensor, StateDict
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+from megatron.core.dist_checkpointing.strategies.base import (
+    AsyncSaveShardedStrategy,
+    StrategyAction,
+    register_default_strategy,
+)
+from megatron.core.dist_checkpointing.strategies.resharding import (
+    TensorReformulationMetadata,
+    apply_nd_flattened_tensors_reformulation,
+    is_nd_flattened_tensor,
+    restore_nd_flattened_tensors_formulation,
+)
+from megatron.core.dist_checkpointing.strategies.state_dict_saver import save_state_dict_async_plan
+from megatron.core.dist_checkpointing.strategies.torch import (
+    MCoreLoadPlanner,
+    MCoreSavePlanner,
+    TorchDistLoadShardedStrategy,
+    _replace_sharded_keys_with_state_dict_keys,
+    _replace_state_dict_keys_with_sharded_keys,
+    _restore_dict_types,
+    _unwrap_pyt_sharded_tensor,
+    mcore_to_pyt_state_dict,
+)
+from torch.distributed import checkpoint as torch_dcp
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from ml_flashpoint_nemo.core.layout import CheckpointLayout
+from ml_flashpoint_nemo.core.saver import StagedObject, seal_object
+from ml_flashpoint_nemo.core.tuning import default_copy_threads
+from ml_flashpoint_nemo.core.versions import delete_superseded
+from ml_flashpoint_nemo.dcp.reader import MemoryStorageReader
+from ml_flashpoint_nemo.dcp.storage_info import FlashpointStorageInfo, record_key
+from ml_flashpoint_nemo.dcp.writer import MemoryStorageWriter
+from ml_flashpoint_nemo.errors import CorruptCheckpointError, FlashpointError
+
+logger = logging.getLogger(__name__)
+
+BACKEND = "ml_flashpoint"
+VERSION = 1
+
+
+def _split_checkpoint_dir(checkpoint_dir: str | os.PathLike[str]) -> tuple[CheckpointLayout, str]:
+    path = Path(checkpoint_dir).absolute()
+    return CheckpointLayout(path.parent), os.fspath(path)
+
+
+class _StagingWriter(MemoryStorageWriter):
+    """The writer Megatron's async planner drives: stages in prepare_write_data, commits in finish."""
+
+    def __init__(self, checkpoint_dir: str | os.PathLike[str], *, keep: int, checksum: bool, threads: int | None):
+        layout, checkpoint_id = _split_checkpoint_dir(checkpoint_dir)
+        super().__init__(layout.base_dir, keep=keep, checksum=checksum, threads=threads)
+        self.reset(checkpoint_id)
+        self.staged: StagedObject | None = None
+        self.items: list[tuple[Any, str, int]] = []  # (MetadataIndex, record key, nbytes)
+
+    def prepare_write_data(self, plan: SavePlan, planner: SavePlanner) -> None:
+        """Blocking phase: copy this rank's items into a pool buffer (checksums come later)."""
+        self.rank = dist.get_rank()
+        saver = self._saver_for_rank()
+        delete_superseded(self.layout.base_dir, keep=self.keep, rank=self.rank, pool=saver.pool)
+        flat: dict[str, Any] = {}
+        self.items = []
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                data = data.getvalue()
+            key = record_key(item.index)
+            flat[key] = data
+            nbytes = data.numel() * data.element_size() if isinstance(data, torch.Tensor) else len(data)
+            self.items.append((item.index, key, nbytes))
+        self.staged = saver.stage_object(self.step, flat, overwrite=True, defer_checksums=True)
+
+    def place_and_report(self) -> list[WriteResult]:
+        """Finalize phase on every rank: check the sealed object, move it into the version."""
+        if self.staged is None:
+            raise FlashpointError("finalize ran without a staged object; was async_save interrupted?")
+        staged, self.staged = self.staged, None
+        written = self._saver_for_rank().place(staged)
+        return [WriteResult(index=index, size_in_bytes=nbytes, storage_data=FlashpointStorageInfo(written.record, key))
+                for index, key, nbytes in self.items]
+
+    def abandon(self) -> None:
+        if self.staged is not None:
+            self._saver_for_rank().abandon(self.staged)
+            self.staged = None
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        version_dir = self.layout.version_dir(self.step)
+        version_dir.mkdir(parents=True, exist_ok=True)
+        save_config(CheckpointingConfig(BACKEND, VERSION), str(version_dir))  # before the commit, not after
+        super().finish(metadata, results)
+
+
+class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
+    """Saves Megatron sharded state dicts as RAM versions; checkpoint_dir is <base>/step-<N>."""
+
+    def __init__(self, *, keep: int = 1, checksum: bool = True, threads: int | None = None) -> None:
+        super().__init__(BACKEND, VERSION)
+        self.keep = keep
+        self.checksum = checksum
+        self.threads = threads or default_copy_threads()
+
+    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path) -> AsyncRequest:
+        # Only main replicas are written (as Megatron's torch_dist does): replicated tensors once per job.
+        sharded_state_dict, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, True)
+        pyt_state_dict = mcore_to_pyt_state_dict(sharded_state_dict, False)
+        writer = _StagingWriter(checkpoint_dir, keep=self.keep, checksum=self.checksum, threads=self.threads)
+        (writer, global_metadata, _), *_ = save_state_dict_async_plan(
+            pyt_state_dict, writer, None, 0, planner=MCoreSavePlanner(dedup_replicated_tensors=False,
+                                                                      flatten_state_dict=False)
+        )
+
+        def finalize() -> None:
+            _finalize_save(writer, global_metadata)
+
+        assert writer.staged is not None
+        return AsyncRequest(seal_object, (writer.staged.seal_job, self.threads), [finalize])
+
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+
+def _finalize_save(writer: _StagingWriter, global_metadata: Metadata | None) -> None:
+    """Every rank: place its object; coordinator: commit. Any rank's failure is raised on every rank."""
+    error: str | None = None
+    results: list[WriteResult] = []
+    try:
+        results = writer.place_and_report()
+    except Exception as exc:  # noqa: BLE001 - reported to every rank below
+        writer.abandon()
+        error = f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (error, results))
+    errors = [e for e, _ in gathered if e]
+    if not errors and dist.get_rank() == 0:
+        try:
+            assert global_metadata is not None
+            writer.finish(global_metadata, [r for _, r in gathered])
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            errors.append(f"rank 0 commit: {type(exc).__name__}: {exc}")
+    status: list[Any] = [errors]
+    dist.broadcast_object_list(status, src=0)
+    if status[0]:
+        raise FlashpointError(
+            f"flashpoint save of step {writer.step} failed; the previous version is intact: " + "; ".join(status[0])
+        )
+
+
+class FlashpointLoadStrategy(TorchDistLoadShardedStrategy):
+    """Loads RAM versions saved by FlashpointSaveStrategy through Megatron's usual load flow."""
+
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path) -> StateDict:
+        reader = self._reader(checkpoint_dir)
+        metadata = reader.read_metadata()
+        sharded_state_dict, restore_data = apply_nd_flattened_tensors_reformulation(
+            sharded_state_dict, _reformulation_metadata(sharded_state_dict, metadata)
+        )
+        shape_checked = [t for t in nested_values(sharded_state_dict)
+                         if isinstance(t, ShardedTensor) and not t.allow_shape_mismatch]
+        shape_flexible = {t.key: t for t in nested_values(sharded_state_dict)
+                          if isinstance(t, ShardedTensor) and t.allow_shape_mismatch}
+        original = sharded_state_dict
+        sharded_state_dict, flat_mapping, rename_mapping = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict)
+        pyt_state_dict = mcore_to_pyt_state_dict(sharded_state_dict, True)
+        torch_dcp.load_state_dict(
+            pyt_state_dict,
+            reader,
+            planner=MCoreLoadPlanner(shapes_validation_sharded_tensors=shape_checked,
+                                     allow_shape_mismatch_sharded_tensors=shape_flexible),
+        )
+        self.cached_global_metadata = metadata
+        state = {k: _unwrap_pyt_sharded_tensor(v) for k, v in pyt_state_dict.items()}
+        state = _replace_sharded_keys_with_state_dict_keys(state, flat_mapping, rename_mapping)
+        _restore_dict_types(state, original)
+        return restore_nd_flattened_tensors_formulation(state, restore_data)
+
+    def load_tensors_metadata(self, checkpoint_dir: str | Path, metadata: Metadata | None = None):
+        return super().load_tensors_metadata(checkpoint_dir, metadata or self._reader(checkpoint_dir).read_metadata())
+
+    def load_sharded_metadata(self, checkpoint_dir: str | Path) -> ShardedStateDict:
+        raise NotImplementedError("listing sharded objects of a RAM version is not supported yet; load tensors")
+
+    @staticmethod
+    def _reader(checkpoint_dir: str | Path) -> MemoryStorageReader:
+        layout, checkpoint_id = _split_checkpoint_dir(checkpoint_dir)
+        reader = MemoryStorageReader(layout.base_dir)
+        reader.reset(checkpoint_id)
+        return reader
+
+
+def _reformulation_metadata(
+    sharded_state_dict: ShardedStateDict, metadata: Metadata
+) -> dict[str, TensorReformulationMetadata]:
+    """Original global shapes of N-D flattened tensors (distributed optimizer state), from the metadata."""
+    found = {}
+    mcore_data = getattr(metadata, "mcore_data", {}) or {}
+    for tensor in nested_values(sharded_state_dict):
+        if not is_nd_flattened_tensor(tensor):
+            continue
+        try:
+            original_shape = mcore_data[tensor.key]["nd_reformulated_orig_global_shape"]
+        except KeyError as exc:
+            raise CorruptCheckpointError(f"no global shape recorded for flattened tensor {tensor.key}") from exc
+        found[tensor.key] = TensorReformulationMetadata(original_shape, metadata.state_dict_metadata[tensor.key].size)
+    return found
+
+
+register_default_strategy(StrategyAction.LOAD_SHARDED, BACKEND, VERSION, FlashpointLoadStrategy())
+register_default_strategy(StrategyAction.SAVE_SHARDED, BACKEND, VERSION, FlashpointSaveStrategy())

@@ -1,0 +1,120 @@
+"""megatron.core.dist_checkpointing scenarios run on several gloo ranks by tests/test_megatron.py."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from tests.support import megatron_cpu
+
+megatron_cpu.install()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from megatron.core import dist_checkpointing  # noqa: E402
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor  # noqa: E402
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue  # noqa: E402
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (  # noqa: E402
+    FullyParallelLoadStrategyWrapper,
+    FullyParallelSaveStrategyWrapper,
+)
+
+from ml_flashpoint_nemo.megatron import FlashpointLoadStrategy, FlashpointSaveStrategy  # noqa: E402
+from tests.support.multiproc import scenario_main  # noqa: E402
+
+ROWS_PER_RANK = 4
+
+
+def full_weight(seed: int) -> torch.Tensor:
+    return torch.randn(ROWS_PER_RANK * dist.get_world_size(), 8, generator=torch.Generator().manual_seed(seed))
+
+
+def sharded_state(seed: int, *, zeros: bool = False) -> dict[str, Any]:
+    """TP-style: a weight split by rows over ranks, a replicated bias, a per-rank ShardedObject, common state."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    weight = full_weight(seed)[rank * ROWS_PER_RANK:(rank + 1) * ROWS_PER_RANK].clone()
+    bias = torch.arange(8, dtype=torch.bfloat16) * seed
+    if zeros:
+        weight, bias = torch.zeros_like(weight), torch.zeros_like(bias)
+    return {
+        "layer.weight": ShardedTensor.from_rank_offsets("layer.weight", weight, (0, rank, world)),
+        "layer.bias": ShardedTensor.from_rank_offsets("layer.bias", bias, replica_id=rank),
+        "rng": ShardedObject("rng", None if zeros else {"seed": seed, "rank": rank}, (world,), (rank,),
+                             replica_id=0),
+        "iteration": seed,  # common state
+    }
+
+
+def check_loaded(loaded: dict[str, Any], seed: int) -> None:
+    rank = dist.get_rank()
+    expected = full_weight(seed)[rank * ROWS_PER_RANK:(rank + 1) * ROWS_PER_RANK]
+    assert torch.equal(loaded["layer.weight"], expected), "weight shard differs"
+    assert torch.equal(loaded["layer.bias"], torch.arange(8, dtype=torch.bfloat16) * seed), "bias differs"
+    assert loaded["rng"] == {"seed": seed, "rank": rank}, loaded["rng"]
+    assert loaded["iteration"] == seed
+
+
+def version_dir(base: str, step: int) -> str:
+    path = os.path.join(base, f"step-{step}")
+    if dist.get_rank() == 0:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    return path
+
+
+def save_strategy(p: dict[str, Any]):
+    strategy = FlashpointSaveStrategy()
+    if p.get("fully_parallel"):
+        strategy = FullyParallelSaveStrategyWrapper(strategy, dist.group.WORLD, do_cache_distribution=True)
+    return strategy
+
+
+def load_strategy(p: dict[str, Any]):
+    strategy = FlashpointLoadStrategy()
+    if p.get("fully_parallel"):
+        strategy = FullyParallelLoadStrategyWrapper(strategy, dist.group.WORLD, exchange_algo="gather_object")
+    return strategy
+
+
+def save(p: dict[str, Any], step: int, queue: AsyncCallsQueue | None) -> None:
+    request = dist_checkpointing.save(sharded_state(step), version_dir(p["base"], step),
+                                      sharded_strategy=save_strategy(p), async_sharded_save=queue is not None)
+    if queue is not None:
+        queue.schedule_async_request(request)
+        queue.maybe_finalize_async_calls(blocking=True)
+
+
+def load(p: dict[str, Any], step: int) -> dict[str, Any]:
+    return dist_checkpointing.load(sharded_state(step, zeros=True), os.path.join(p["base"], f"step-{step}"),
+                                   sharded_strategy=load_strategy(p))
+
+
+def roundtrip(p: dict[str, Any]) -> None:
+    queue = None if p["mode"] == "sync" else AsyncCallsQueue(persistent=p["mode"] == "persistent")
+    for step in (1, 2, 3):
+        save(p, step, queue)
+    for step in (2, 3):  # keep=1: the newest and the one before the last save survive
+        check_loaded(load(p, step), step)
+    if queue is not None:
+        queue.close()
+
+
+def save_then_corrupt_is_refused(p: dict[str, Any]) -> None:
+    save(p, 1, None)
+    if dist.get_rank() == 0:
+        obj = Path(p["base"]) / "step-1" / "rank-00001-0.fpo"
+        data = bytearray(obj.read_bytes())
+        data[64 + 10] ^= 0x01  # inside the first record
+        obj.write_bytes(bytes(data))
+    dist.barrier()
+    try:
+        load(p, 1)
+    except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        print(f"REFUSED: {type(exc).__name__}: {exc}")
+        return
+    raise AssertionError("a corrupted version was loaded")
+
+
+if __name__ == "__main__":
+    scenario_main({f.__name__: f for f in (roundtrip, save_then_corrupt_is_refused)})

@@ -1,0 +1,35 @@
+"""megatron.core.dist_checkpointing with the flashpoint strategies, on real gloo process groups."""
+
+from __future__ import annotations
+
+import pytest
+
+from ml_flashpoint_nemo.core import committed_steps, verify_version
+from ml_flashpoint_nemo.core.layout import CheckpointLayout
+from tests.support.multiproc import run_world
+
+
+def run(scenario: str, world_size: int, **params) -> list[str]:
+    return run_world("megatron_scenarios", scenario, world_size,
+                     {k: str(v) if hasattr(v, "__fspath__") else v for k, v in params.items()})
+
+
+@pytest.mark.parametrize(
+    "world_size, mode, fully_parallel",
+    [
+        (2, "sync", False),
+        (4, "sync", True),
+        (2, "temporal", False),  # AsyncCallsQueue with a forked worker per save
+        (2, "persistent", True),  # AsyncCallsQueue with a spawned persistent worker
+    ],
+)
+def test_megatron_save_load_round_trip(base_dir, world_size, mode, fully_parallel):
+    run("roundtrip", world_size, base=base_dir, mode=mode, fully_parallel=fully_parallel)
+    assert committed_steps(CheckpointLayout(base_dir)) == [2, 3]
+    assert verify_version(base_dir, 3).objects == world_size
+    assert (base_dir / "step-3" / "metadata.json").is_file()
+
+
+def test_megatron_corrupted_object_is_refused(base_dir):
+    outputs = run("save_then_corrupt_is_refused", 2, base=base_dir)
+    assert all("REFUSED" in out for out in outputs), outputs
