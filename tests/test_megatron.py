@@ -33,3 +33,9 @@ def test_megatron_save_load_round_trip(base_dir, world_size, mode, fully_paralle
 def test_megatron_corrupted_object_is_refused(base_dir):
     outputs = run("save_then_corrupt_is_refused", 2, base=base_dir)
     assert all("REFUSED" in out for out in outputs), outputs
+
+
+def test_failed_background_write_fails_every_rank_and_keeps_previous(base_dir):
+    outputs = run("failed_background_write_fails_every_rank", 2, base=base_dir)
+    assert all("SAVE FAILED" in out and "rank 1" in out for out in outputs), outputs
+    assert committed_steps(CheckpointLayout(base_dir)) == [1]

@@ -166,7 +166,13 @@ class BufferPool:
         return buffer
 
     def release(self, buffer: _core.ShmBuffer) -> None:
-        """Give back a buffer that was acquired but not placed (e.g. a failed save)."""
+        """Give back a buffer that was acquired but not placed (e.g. a failed save).
+
+        A buffer whose file was removed meanwhile is closed instead: its memory cannot be reused.
+        """
+        if not os.path.exists(buffer.path):
+            _close_quietly(buffer)
+            return
         self._add_free(buffer)
 
     def place(self, buffer: _core.ShmBuffer, object_path: Path) -> None:

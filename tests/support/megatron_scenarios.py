@@ -116,5 +116,25 @@ def save_then_corrupt_is_refused(p: dict[str, Any]) -> None:
     raise AssertionError("a corrupted version was loaded")
 
 
+def failed_background_write_fails_every_rank(p: dict[str, Any]) -> None:
+    """Rank 1's staged buffer disappears before its worker seals it: a real I/O failure in the worker."""
+    save(p, 1, None)
+    queue = AsyncCallsQueue(persistent=False)
+    request = dist_checkpointing.save(sharded_state(2), version_dir(p["base"], 2), sharded_strategy=save_strategy(p),
+                                      async_sharded_save=True)
+    if dist.get_rank() == 1:
+        os.unlink(request.async_fn_args[0].path)
+    queue.schedule_async_request(request)
+    try:
+        queue.maybe_finalize_async_calls(blocking=True)
+    except Exception as exc:  # noqa: BLE001 - the test checks the message
+        print(f"SAVE FAILED: {type(exc).__name__}: {exc}")
+    else:
+        raise AssertionError("the failed background write was not reported")
+    check_loaded(load(p, 1), 1)
+    queue.close()
+
+
 if __name__ == "__main__":
-    scenario_main({f.__name__: f for f in (roundtrip, save_then_corrupt_is_refused)})
+    scenario_main({f.__name__: f for f in (roundtrip, save_then_corrupt_is_refused,
+                                           failed_background_write_fails_every_rank)})
