@@ -62,3 +62,7 @@ class MissingKeyError(FlashpointError, KeyError):
 
 class LoadMismatchError(FlashpointError, ValueError):
     """A destination tensor's shape or dtype differs from the stored one."""
+
+
+class ManagerStartError(FlashpointError):
+    """The multiprocessing Manager needed by async saves failed to start or did not start in time."""

@@ -1,0 +1,395 @@
+"""The spawn-context multiprocessing Manager that async saves need, started off the critical path.
+
+Starting a spawn-context ``torch.multiprocessing`` Manager launches a fresh Python
+process, which takes seconds; trainer setup must not wait for it. So
+:func:`start_manager_warmup` starts it in a daemon thread and returns a
+:class:`ManagerFuture` at once. Three properties make that future safe to hand to a
+writer (DESIGN.md section 3):
+
+* It never leaves a save hanging. Any failure in the thread goes into the future, and
+  every wait is bounded (``FLASHPOINT_MANAGER_TIMEOUT_S``, default 120 s, counted from
+  the start). At the deadline the start is abandoned: the half-started process is
+  killed and every wait raises :class:`~ml_flashpoint_nemo.errors.ManagerStartError`.
+* The Manager process does not re-run the user's main script. Spawned children
+  normally re-import ``__main__``; a script without an ``if __name__ == "__main__":``
+  guard would then re-run training in the child and hang. Our Manager serves only
+  built-in proxies, so its child skips that import (see
+  :func:`_main_module_not_reimported`).
+* The Manager process dies with the process that started it, SIGKILL included: an
+  orphan could outlive an in-job restart. See :func:`_server_init`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import logging
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.spawn as _mp_spawn
+import os
+import signal
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
+from multiprocessing.managers import SyncManager
+from typing import Any, Callable, Iterator
+
+from ml_flashpoint_nemo.errors import ManagerStartError
+
+logger = logging.getLogger(__name__)
+
+TIMEOUT_ENV = "FLASHPOINT_MANAGER_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 120.0
+
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+_WATCHDOG_POLL_S = 0.5
+_FIND_CHILD_S = 2.0  # how long an abandon waits for a starting thread to reveal its child's pid
+_REAP_S = 5.0
+_SETTLE_S = 5.0  # bound on waiting for a future that another thread is completing right now
+
+_GUARD_HINT = (
+    "The most common cause is a main script whose top level is not guarded by "
+    '`if __name__ == "__main__":`: spawned processes re-import the main module, and training code at its '
+    "top level then runs again in the child and hangs. Put the script's top-level code under that guard. "
+    f"If the machine is merely slow or overloaded, raise {TIMEOUT_ENV} (seconds)."
+)
+
+
+class ManagerFuture(Future[SyncManager]):
+    """A future of the started Manager whose every wait is bounded and ends in ManagerStartError.
+
+    A wait that times out abandons the start for good (the half-started process is
+    killed), so later waits fail at once instead of waiting again; poll with
+    :meth:`done` to check without waiting.
+    """
+
+    def __init__(self, timeout: float) -> None:
+        super().__init__()
+        self.timeout = timeout
+        self._began = time.monotonic()
+        self._deadline = self._began + timeout
+        self._lock = threading.Lock()
+        self._manager: SyncManager | None = None  # set before start(), so an abandon can find the child
+        self._settled = False  # whoever sets it first completes the future; the others back off
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._timer: threading.Timer | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """Pid of the Manager's server process, once it has been launched."""
+        process = getattr(self._manager, "_process", None)
+        return process.pid if process is not None else None
+
+    def result(self, timeout: float | None = None, *, what: str = "a RAM checkpoint save") -> SyncManager:
+        """Wait for the Manager, at most `timeout` s (default: until the start deadline).
+
+        Raises ManagerStartError if the start failed, was abandoned, or does not finish in time;
+        `what` names the waiter in that message.
+        """
+        bound = self._deadline - time.monotonic() if timeout is None else timeout
+        try:
+            return super().result(timeout=max(bound, 0.0))
+        except FutureTimeoutError:
+            waited = time.monotonic() - self._began
+            self._abandon(
+                ManagerStartError(
+                    f"the multiprocessing Manager needed by {what} was not running {waited:.1f} s after its "
+                    f"start began (limit {bound if timeout is not None else self.timeout:.1f} s); the start was "
+                    f"abandoned and its half-started process killed. {_GUARD_HINT}"
+                )
+            )
+            return super().result(timeout=_SETTLE_S)  # the stored error, or the Manager if the start won
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """Like Future.exception, but bounded the same way as :meth:`result`."""
+        try:
+            self.result(timeout)
+        except ManagerStartError as exc:
+            return exc
+        return None
+
+    def close(self) -> None:
+        """Shut the Manager down if it started; abandon a start still in progress.
+
+        Harmless after a failed start, and callable any number of times.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._abandon(ManagerStartError("the multiprocessing Manager was closed before it had started")):
+            return
+        try:
+            manager = super().result(timeout=_SETTLE_S)  # already settled; at most being set right now
+        except BaseException:  # noqa: BLE001 - a failed start has nothing left to shut down
+            return
+        manager.shutdown()  # a multiprocessing Finalize: runs once, bounded, kills the server if it must
+        logger.debug("Multiprocessing Manager shut down")
+
+    def _begin(self, server_hook: Callable[[], Any] | None) -> None:
+        self.set_running_or_notify_cancel()  # from now on cancel() is a no-op; close() abandons instead
+        self._timer = threading.Timer(self.timeout, self._expire)
+        self._timer.name = "flashpoint-manager-deadline"
+        self._timer.daemon = True
+        self._thread = threading.Thread(
+            target=self._run, args=(server_hook,), name="flashpoint-manager", daemon=True
+        )
+        self._timer.start()
+        self._thread.start()
+
+    def _run(self, server_hook: Callable[[], Any] | None) -> None:
+        manager: SyncManager | None = None
+        try:
+            import torch.multiprocessing as torch_mp  # torch registers its tensor reductions on import
+
+            manager = SyncManager(ctx=torch_mp.get_context("spawn"))  # what get_context("spawn").Manager() builds
+            with self._lock:
+                if self._settled:  # abandoned before we began
+                    return
+                self._manager = manager
+            with _main_module_not_reimported():
+                manager.start(_server_init, (os.getpid(), server_hook))
+        except BaseException as exc:  # noqa: BLE001 - the future carries it to whoever waits
+            exitcode = _reap_failed_child(manager)
+            detail = f"; its process exited with code {exitcode} (its traceback, if any, is on stderr)"
+            error = ManagerStartError(
+                f"the multiprocessing Manager needed by async saves failed to start "
+                f"({type(exc).__name__}: {exc}){detail if exitcode is not None else ''}. {_GUARD_HINT}"
+            )
+            error.__cause__ = exc
+            self._settle(error=error)
+            return
+        if not self._settle(manager=manager):  # abandoned while the child was coming up: do not leave it running
+            manager.shutdown()
+            return
+        logger.info(
+            "Multiprocessing Manager ready (pid %s) %.2f s after the warm-up began",
+            self.pid,
+            time.monotonic() - self._began,
+        )
+        _stay_until_exit(manager._process)  # noqa: SLF001 - the stdlib keeps the server process here
+
+    def _expire(self) -> None:
+        self._abandon(
+            ManagerStartError(
+                f"the multiprocessing Manager needed by async saves did not start within {self.timeout:.1f} s; "
+                f"the start was abandoned and its half-started process killed. {_GUARD_HINT}"
+            )
+        )
+
+    def _settle(self, *, manager: SyncManager | None = None, error: ManagerStartError | None = None) -> bool:
+        """Complete the future unless someone already did; True if this call completed it.
+
+        The decision is taken under our lock, but set_result/set_exception (which run
+        done-callbacks) are called outside it, so a callback may call close().
+        """
+        with self._lock:
+            if self._settled:
+                return False
+            self._settled = True
+        self._cancel_timer()
+        if error is not None:
+            self.set_exception(error)
+        else:
+            self.set_result(manager)  # type: ignore[arg-type]
+        return True
+
+    def _abandon(self, error: ManagerStartError) -> bool:
+        """Fail the future with `error` and kill any half-started child; False if it had already finished."""
+        if not self._settle(error=error):
+            return False
+        self._kill_half_started()
+        return True
+
+    def _kill_half_started(self) -> None:
+        # The starting thread publishes the manager before start() and forks inside it; wait briefly for the
+        # pid to appear. Only SIGKILL here: the starting thread reaps the child when its start() fails.
+        give_up = time.monotonic() + _FIND_CHILD_S
+        while True:
+            process = getattr(self._manager, "_process", None)
+            if process is not None and process.pid is not None:
+                try:
+                    process.kill()  # a no-op once the child has been reaped, so never hits a reused pid
+                    logger.warning("Killed the half-started multiprocessing Manager process %d", process.pid)
+                except (OSError, ValueError):  # gone, or its handle already closed
+                    pass
+                return
+            alive = self._thread is not None and self._thread.is_alive()
+            if self._manager is None or not alive or time.monotonic() > give_up:
+                return
+            time.sleep(0.01)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None and self._timer is not threading.current_thread():
+            self._timer.cancel()
+
+
+def start_manager_warmup(
+    *, timeout: float | None = None, _server_hook: Callable[[], Any] | None = None
+) -> ManagerFuture:
+    """Start a spawn-context torch.multiprocessing Manager in a daemon thread; returns its future at once.
+
+    `timeout` (default: ``FLASHPOINT_MANAGER_TIMEOUT_S``, else 120 s) bounds the start and every wait.
+    `_server_hook` is for tests only: a picklable module-level callable run in the server before it serves.
+    """
+    future = ManagerFuture(_resolve_timeout(timeout))
+    future._begin(_server_hook)
+    return future
+
+
+def wait_for_manager(
+    future: ManagerFuture, timeout: float | None = None, *, what: str = "a RAM checkpoint save"
+) -> SyncManager:
+    """The started Manager; raises ManagerStartError if it failed or is not up within the bound."""
+    return future.result(timeout, what=what)
+
+
+def shutdown_manager(future: ManagerFuture | None) -> None:
+    """Shut down the Manager behind `future` if it started; harmless if not, failed, or already closed."""
+    if future is not None:
+        future.close()
+
+
+def _resolve_timeout(timeout: float | None) -> float:
+    source = "timeout"
+    if timeout is None:
+        raw = os.environ.get(TIMEOUT_ENV, "").strip()
+        if not raw:
+            return DEFAULT_TIMEOUT_S
+        source = TIMEOUT_ENV
+        try:
+            timeout = float(raw)
+        except ValueError:
+            timeout = float("nan")
+    if not timeout > 0 or timeout == float("inf"):
+        raise ManagerStartError(
+            f"{source}={timeout!r} is not a usable bound for the Manager start; give a positive number of seconds"
+        )
+    return float(timeout)
+
+
+def _reap_failed_child(manager: SyncManager | None) -> int | None:
+    """Wait for (then kill) the child of a failed start, so nothing is left behind; its exit code."""
+    process = getattr(manager, "_process", None)
+    if process is None or process.pid is None:
+        return None
+    process.join(_REAP_S)
+    if process.exitcode is None:
+        process.kill()
+        process.join(_REAP_S)
+    return process.exitcode
+
+
+def _stay_until_exit(process: multiprocessing.process.BaseProcess) -> None:
+    """Keep the thread that launched the Manager alive until the Manager process exits.
+
+    Linux sends PR_SET_PDEATHSIG when the *thread* that forked the child exits, not the
+    process; this thread forked the server, so returning now would SIGKILL it. Waiting on
+    the process sentinel (a pipe that hits EOF when the server exits) does not reap the
+    child, so it cannot race ``manager.shutdown()``, which does.
+    """
+    try:
+        multiprocessing.connection.wait([process.sentinel])
+    except (OSError, ValueError):  # sentinel closed: the process is gone anyway
+        pass
+
+
+_patch_lock = threading.Lock()
+_patch_users = 0
+_installed_wrapper: Callable[[str], dict[str, Any]] | None = None
+_this_thread = threading.local()
+
+
+@contextlib.contextmanager
+def _main_module_not_reimported() -> Iterator[None]:
+    """While active, processes spawned *by this thread* do not re-import the main module.
+
+    The spawn start method sends the child ``get_preparation_data()``; its keys
+    ``init_main_from_name`` / ``init_main_from_path`` make the child import ``__main__``
+    as ``__mp_main__``, re-running an unguarded script. We wrap
+    ``multiprocessing.spawn.get_preparation_data`` (looked up at call time by the spawn
+    Popen) so that it drops those keys, but only when called from a thread that is
+    inside this context; every other caller gets the stdlib's answer unchanged. This
+    beats hiding ``__main__.__file__`` / ``__spec__`` while our Manager starts: that
+    would also change what concurrent spawns from other threads (e.g. DataLoader
+    workers) send. The wrapper is installed for the duration of our starts only
+    (reference counted), and if the stdlib stops calling the hook the start still ends
+    in the bounded wait and its clear error.
+    """
+    global _patch_users, _installed_wrapper
+    with _patch_lock:
+        if _patch_users == 0:
+            _installed_wrapper = _skip_main_for_our_thread(_mp_spawn.get_preparation_data)
+            _mp_spawn.get_preparation_data = _installed_wrapper
+        _patch_users += 1
+    _this_thread.skip_main = True
+    try:
+        yield
+    finally:
+        _this_thread.skip_main = False
+        with _patch_lock:
+            _patch_users -= 1
+            if _patch_users == 0 and _mp_spawn.get_preparation_data is _installed_wrapper:
+                _mp_spawn.get_preparation_data = _installed_wrapper.__wrapped__  # type: ignore[union-attr]
+
+
+def _skip_main_for_our_thread(original: Callable[[str], dict[str, Any]]) -> Callable[[str], dict[str, Any]]:
+    @functools.wraps(original)
+    def get_preparation_data(name: str) -> dict[str, Any]:
+        data = original(name)
+        if getattr(_this_thread, "skip_main", False):
+            data.pop("init_main_from_name", None)
+            data.pop("init_main_from_path", None)
+        return data
+
+    return get_preparation_data
+
+
+def _server_init(parent_pid: int, server_hook: Callable[[], Any] | None) -> None:
+    """Runs in the Manager's server process before it serves: tie its life to `parent_pid`.
+
+    PR_SET_PDEATHSIG(SIGKILL) covers every way the parent can die, SIGKILL included (the
+    launching thread stays alive for that, see :func:`_stay_until_exit`). A watchdog
+    thread backs it up, and covers non-Linux systems: it exits when the parent's end of
+    the spawn pipe closes (the parent died) or when ``os.getppid()`` changes (we were
+    re-parented).
+    """
+    _set_parent_death_signal()
+    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+        os._exit(1)
+    threading.Thread(
+        target=_watch_parent, args=(parent_pid,), name="flashpoint-manager-watchdog", daemon=True
+    ).start()
+    if server_hook is not None:
+        server_hook()
+
+
+def _set_parent_death_signal() -> None:
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            logger.debug("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
+    except (OSError, AttributeError) as exc:
+        logger.debug("prctl(PR_SET_PDEATHSIG) unavailable (%s); relying on the watchdog", exc)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    parent = multiprocessing.parent_process()
+    sentinel = parent.sentinel if parent is not None else None
+    while os.getppid() == parent_pid:
+        if sentinel is None:
+            time.sleep(_WATCHDOG_POLL_S)
+            continue
+        try:
+            if multiprocessing.connection.wait([sentinel], timeout=_WATCHDOG_POLL_S):
+                break  # EOF: the parent's end of the spawn pipe is closed
+        except (OSError, ValueError):
+            sentinel = None
+    os._exit(1)  # nobody is left to shut us down or to use what we serve

@@ -1,0 +1,229 @@
+"""The background Manager warm-up: bounded waits, clean failures, no re-run of __main__, no orphans."""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+
+from ml_flashpoint_nemo.core.manager import (
+    TIMEOUT_ENV,
+    ManagerFuture,
+    shutdown_manager,
+    start_manager_warmup,
+    wait_for_manager,
+)
+from ml_flashpoint_nemo.errors import FlashpointError, ManagerStartError
+from tests.support import manager_hooks
+
+logger = logging.getLogger(__name__)
+
+REPO = Path(__file__).resolve().parents[1]
+SUBPROCESS_TIMEOUT_S = 120
+
+
+@pytest.fixture
+def start() -> Iterator[Callable[..., ManagerFuture]]:
+    """start_manager_warmup, with every future closed after the test."""
+    futures: list[ManagerFuture] = []
+
+    def _start(**kwargs: object) -> ManagerFuture:
+        future = start_manager_warmup(**kwargs)  # type: ignore[arg-type]
+        futures.append(future)
+        return future
+
+    yield _start
+    for future in futures:
+        future.close()
+
+
+def _gone(pid: int) -> bool:
+    """True if the process no longer runs (absent, or a zombie nobody has reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return any(line.startswith("State:") and "Z" in line.split()[1] for line in status)
+    except FileNotFoundError:
+        return True
+
+
+def _wait_gone(pid: int, within: float = 5.0) -> bool:
+    give_up = time.monotonic() + within
+    while time.monotonic() < give_up:
+        if _gone(pid):
+            return True
+        time.sleep(0.05)
+    return _gone(pid)
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def test_future_resolves_to_a_working_manager_that_close_shuts_down(start: Callable[..., ManagerFuture]) -> None:
+    began = time.perf_counter()
+    future = start()
+    returned_ms = (time.perf_counter() - began) * 1e3
+    logger.info("start_manager_warmup returned after %.2f ms", returned_ms)  # measured, not asserted
+
+    manager = wait_for_manager(future, what="this test")
+    shared = manager.dict()
+    shared["step"] = 7
+    assert shared["step"] == 7
+    assert future.pid is not None and not _gone(future.pid)
+
+    # The launching thread has finished its work; PR_SET_PDEATHSIG must not have killed the server.
+    time.sleep(0.5)
+    assert not _gone(future.pid)
+    items = manager.Queue()
+    items.put("hello")
+    assert items.get(timeout=5) == "hello"
+    assert future.result() is manager
+
+    pid = future.pid
+    future.close()  # shuts the server down; idempotent
+    assert _wait_gone(pid)
+    future.close()
+    shutdown_manager(future)
+    shutdown_manager(None)
+
+
+def test_start_failure_is_raised_with_its_cause(start: Callable[..., ManagerFuture]) -> None:
+    future = start(timeout=60.0, _server_hook=manager_hooks.fail)
+    with pytest.raises(ManagerStartError, match="failed to start") as info:
+        future.result(what="this test")
+    assert "exited with code 1" in str(info.value)
+    assert isinstance(info.value.__cause__, EOFError)
+    assert isinstance(info.value, FlashpointError)
+    with pytest.raises(ManagerStartError):  # every later wait fails the same way, at once
+        wait_for_manager(future)
+    assert isinstance(future.exception(), ManagerStartError)
+    assert future.pid is not None and _wait_gone(future.pid)
+    future.close()  # harmless after a failed start, and twice
+    shutdown_manager(future)
+
+
+def test_wait_timeout_abandons_the_start_and_kills_the_child(start: Callable[..., ManagerFuture]) -> None:
+    future = start(timeout=1.5, _server_hook=manager_hooks.hang)
+    with pytest.raises(ManagerStartError) as info:
+        future.result(what="this test")
+    message = str(info.value)
+    assert "was not running" in message or "did not start within" in message
+    assert 'if __name__ == "__main__":' in message
+    assert TIMEOUT_ENV in message
+    assert future.pid is not None
+    assert _wait_gone(future.pid), "the half-started Manager process survived the timeout"
+    assert future.done() and future.cancel() is False
+
+
+def test_deadline_is_enforced_even_if_nobody_waits(start: Callable[..., ManagerFuture]) -> None:
+    future = start(timeout=1.0, _server_hook=manager_hooks.hang)
+    closed = threading.Event()
+    future.add_done_callback(lambda done: (done.close(), closed.set()))  # a callback may close: no deadlock
+    give_up = time.monotonic() + 20
+    while not future.done() and time.monotonic() < give_up:
+        time.sleep(0.05)
+    assert future.done()
+    assert isinstance(future.exception(timeout=0), ManagerStartError)
+    assert "did not start within 1.0 s" in str(future.exception(timeout=0))
+    assert closed.wait(5)
+    assert future.pid is not None and _wait_gone(future.pid)
+
+
+def test_a_short_wait_times_out_the_start(start: Callable[..., ManagerFuture]) -> None:
+    future = start(timeout=60.0, _server_hook=manager_hooks.hang)
+    with pytest.raises(ManagerStartError, match="limit 0.2 s"):
+        future.result(timeout=0.2, what="this test")
+    assert future.pid is None or _wait_gone(future.pid)
+
+
+def test_close_during_the_start_abandons_it(start: Callable[..., ManagerFuture]) -> None:
+    future = start(timeout=60.0, _server_hook=manager_hooks.hang)
+    give_up = time.monotonic() + 20  # let the child be launched, so there is something to kill
+    while future.pid is None and time.monotonic() < give_up:
+        time.sleep(0.01)
+    pid = future.pid
+    future.close()
+    with pytest.raises(ManagerStartError, match="closed before it had started"):
+        future.result()
+    assert pid is not None and _wait_gone(pid)
+    future.close()
+
+
+def test_timeout_comes_from_the_environment(
+    start: Callable[..., ManagerFuture], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(TIMEOUT_ENV, "7.5")
+    assert start().timeout == 7.5
+    assert start(timeout=3.0).timeout == 3.0
+    monkeypatch.delenv(TIMEOUT_ENV)
+    assert start().timeout == 120.0
+    for bad in ("soon", "0", "-1", "inf"):
+        monkeypatch.setenv(TIMEOUT_ENV, bad)
+        with pytest.raises(ManagerStartError, match=TIMEOUT_ENV):
+            start_manager_warmup()
+
+
+def test_unguarded_main_script_is_not_rerun_by_the_manager_process() -> None:
+    script = REPO / "tests" / "support" / "manager_unguarded_main.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "60"],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT_S,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "MANAGER READY" in result.stdout and "answer=42" in result.stdout
+    assert "DONE" in result.stdout
+    top_levels = [line for line in result.stdout.splitlines() if line.startswith("TOP LEVEL")]
+    assert len(top_levels) == 1, f"the main module was re-run: {top_levels}"
+
+
+def _read_lines(stream: object, lines: queue.Queue[str]) -> None:
+    for line in stream:  # type: ignore[attr-defined]
+        lines.put(line)
+
+
+@pytest.mark.parametrize("mode", ["pdeathsig", "watchdog-only"])
+def test_manager_dies_with_its_sigkilled_parent(mode: str) -> None:
+    command = [sys.executable, "-m", "tests.support.manager_parent"]
+    if mode == "watchdog-only":
+        command.append("--no-pdeathsig")
+    parent = subprocess.Popen(command, cwd=REPO, env=_env(), stdout=subprocess.PIPE, text=True)
+    manager_pid = None
+    try:
+        lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=_read_lines, args=(parent.stdout, lines), daemon=True).start()
+        give_up = time.monotonic() + SUBPROCESS_TIMEOUT_S
+        while manager_pid is None and time.monotonic() < give_up and parent.poll() is None:
+            try:
+                line = lines.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if line.startswith("MANAGER PID "):
+                manager_pid = int(line.split()[-1])
+        assert manager_pid is not None, "the child never reported its Manager"
+        time.sleep(0.5)
+        assert not _gone(manager_pid), "the Manager died while its parent was alive"
+
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(timeout=10)
+        assert _wait_gone(manager_pid, within=5.0), f"Manager {manager_pid} outlived its SIGKILLed parent"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait(timeout=10)
+        if manager_pid is not None and not _gone(manager_pid):
+            os.kill(manager_pid, signal.SIGKILL)
