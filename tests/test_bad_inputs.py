@@ -139,7 +139,7 @@ def test_saving_a_committed_step_needs_overwrite(two_versions):
 
 def test_enospc_mid_save_keeps_the_previous_version(small_tmpfs):
     base = small_tmpfs / "base"
-    small = {"w": torch.randn(1 << 20)}  # 4 MiB of a 16 MiB tmpfs
+    small = {"w": torch.randn(1 << 20)}  # 4 MiB of data (8 MiB buffer) in a 16 MiB tmpfs
     with CheckpointSaver(base) as saver:
         saver.save(1, small)
         with pytest.raises(OutOfSpaceError, match="tmpfs is full"):
@@ -153,7 +153,7 @@ def test_enospc_mid_save_keeps_the_previous_version(small_tmpfs):
 
 def test_enospc_when_growing_a_pool_buffer(small_tmpfs):
     base = small_tmpfs / "base"
-    first = {"w": torch.randn(1 << 20)}
+    first = {"w": torch.randn(1 << 18)}  # 1 MiB of data in a 5 MiB buffer (slack included)
     with CheckpointSaver(base) as saver:
         saver.save(1, first, keep=None)
         saver.save(2, first, keep=None)

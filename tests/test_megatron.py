@@ -39,3 +39,11 @@ def test_failed_background_write_fails_every_rank_and_keeps_previous(base_dir):
     outputs = run("failed_background_write_fails_every_rank", 2, base=base_dir)
     assert all("SAVE FAILED" in out and "rank 1" in out for out in outputs), outputs
     assert committed_steps(CheckpointLayout(base_dir)) == [1]
+
+
+@pytest.mark.parametrize("hook, timeout", [("fail", None), ("hang", 5)])
+def test_manager_failure_on_one_rank_fails_the_first_save_on_every_rank(base_dir, hook, timeout):
+    outputs = run("manager_failure_fails_first_save_everywhere", 2, base=base_dir, manager=hook,
+                  manager_timeout=timeout)
+    assert all("SAVE FAILED: ManagerStartError" in out and "rank 1" in out for out in outputs), outputs
+    assert committed_steps(CheckpointLayout(base_dir)) == []

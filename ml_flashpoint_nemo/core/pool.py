@@ -32,7 +32,16 @@ logger = logging.getLogger(__name__)
 
 _BUFFER_PREFIX = "buf-"
 _LOCK_NAME = ".lock"
-_MIN_SLACK = 1 << 20
+_MIN_SLACK = 4 << 20
+
+
+def buffer_size_for(nbytes: int) -> int:
+    """Bytes to allocate for objects of about nbytes of data.
+
+    The slack covers the header, record alignment and index (about 160 bytes per record),
+    and lets a slowly growing state reuse its buffers instead of growing them every save.
+    """
+    return nbytes + max(_MIN_SLACK, nbytes // 64)
 
 
 def raise_if_out_of_space(exc: OSError, what: str) -> None:
@@ -126,10 +135,11 @@ class BufferPool:
         return future
 
     def _ensure_free_buffers(self, nbytes: int, count: int) -> None:
+        target = buffer_size_for(nbytes)
         with self._mutex:
-            big_enough = sum(1 for b in self._free if b.size >= nbytes)
+            big_enough = sum(1 for b in self._free if b.size >= target)
         for _ in range(count - big_enough):
-            buffer = self._create(nbytes)
+            buffer = self._create(target)
             with self._mutex:
                 self._free.append(buffer)
 
@@ -152,17 +162,18 @@ class BufferPool:
                 buffer = None
             if buffer is not None:
                 self._free.remove(buffer)
-        target = nbytes + max(_MIN_SLACK, nbytes // 64)  # slack so slowly growing states do not regrow each save
+        target = buffer_size_for(nbytes)
         if buffer is None:
             return self._create(target)
         if buffer.size < nbytes:
+            old_size = buffer.size
             try:
                 buffer.grow(target)
             except OSError as exc:
                 self.release(buffer)
                 raise_if_out_of_space(exc, f"growing {buffer.path} to {target} bytes")
                 raise
-            buffer.prefault()
+            buffer.prefault(old_size)  # the pages it had are warm already
         return buffer
 
     def release(self, buffer: _core.ShmBuffer) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue as queue_module
 from pathlib import Path
 from typing import Any
 
@@ -55,13 +56,14 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
-from ml_flashpoint_nemo.core.saver import StagedObject, seal_object
+from ml_flashpoint_nemo.core.manager import ManagerFuture, start_manager_warmup, wait_for_manager
+from ml_flashpoint_nemo.core.saver import SealJob, StagedObject, seal_object
 from ml_flashpoint_nemo.core.tuning import default_copy_threads
 from ml_flashpoint_nemo.core.versions import delete_superseded
 from ml_flashpoint_nemo.dcp.reader import MemoryStorageReader
 from ml_flashpoint_nemo.dcp.storage_info import FlashpointStorageInfo, record_key
 from ml_flashpoint_nemo.dcp.writer import MemoryStorageWriter
-from ml_flashpoint_nemo.errors import CorruptCheckpointError, FlashpointError
+from ml_flashpoint_nemo.errors import CorruptCheckpointError, FlashpointError, ManagerStartError
 
 logger = logging.getLogger(__name__)
 
@@ -123,15 +125,51 @@ class _StagingWriter(MemoryStorageWriter):
 
 
 class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
-    """Saves Megatron sharded state dicts as RAM versions; checkpoint_dir is <base>/step-<N>."""
+    """Saves Megatron sharded state dicts as RAM versions; checkpoint_dir is <base>/step-<N>.
 
-    def __init__(self, *, keep: int = 1, checksum: bool = True, threads: int | None = None) -> None:
+    The background write reports its outcome through a queue of a spawn Manager, so a
+    worker's error reaches the trainer's finalize on every rank. Pass the future of a
+    Manager warmed up at trainer set-up (start_manager_warmup); without one, the strategy
+    starts its own when it is created. The first save waits for it, bounded, and every
+    rank raises ManagerStartError if any rank's Manager failed.
+    """
+
+    def __init__(
+        self,
+        *,
+        keep: int = 1,
+        checksum: bool = True,
+        threads: int | None = None,
+        manager_future: ManagerFuture | None = None,
+    ) -> None:
         super().__init__(BACKEND, VERSION)
         self.keep = keep
         self.checksum = checksum
         self.threads = threads or default_copy_threads()
+        self.manager_future = manager_future
+        self._report_queue: Any = None
+
+    def _report_queue_agreed_by_all_ranks(self) -> Any:
+        """The queue for background-write outcomes; at the first save, all ranks agree the Manager runs."""
+        if self._report_queue is not None:
+            return self._report_queue
+        if self.manager_future is None:
+            self.manager_future = start_manager_warmup()
+        error, queue = None, None
+        try:
+            queue = wait_for_manager(self.manager_future, what="the first flashpoint save").Queue()
+        except Exception as exc:  # noqa: BLE001 - shared with every rank below
+            error = f"rank {dist.get_rank()}: {exc}"
+        errors: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        failed = [e for e in errors if e]
+        if failed:
+            raise ManagerStartError("the flashpoint save cannot start: " + "; ".join(failed))
+        self._report_queue = queue
+        return queue
 
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path) -> AsyncRequest:
+        report_queue = self._report_queue_agreed_by_all_ranks()
         # Only main replicas are written (as Megatron's torch_dist does): replicated tensors once per job.
         sharded_state_dict, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, True)
         pyt_state_dict = mcore_to_pyt_state_dict(sharded_state_dict, False)
@@ -142,20 +180,52 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         )
 
         def finalize() -> None:
-            _finalize_save(writer, global_metadata)
+            _finalize_save(writer, global_metadata, report_queue)
 
         assert writer.staged is not None
-        return AsyncRequest(seal_object, (writer.staged.seal_job, self.threads), [finalize])
+        return AsyncRequest(seal_and_report, (writer.staged.seal_job, self.threads, report_queue), [finalize])
 
     def can_handle_sharded_objects(self) -> bool:
         return True
 
 
-def _finalize_save(writer: _StagingWriter, global_metadata: Metadata | None) -> None:
+def seal_and_report(job: SealJob, threads: int, report_queue: Any) -> None:
+    """The AsyncRequest's function: seal the staged object, then report the outcome; never raises.
+
+    Runs in the trainer (sync saves), in a forked worker or in Megatron's persistent
+    spawned worker; the trainer's finalize reads the report.
+    """
+    try:
+        seal_object(job, threads)
+        outcome = None
+    except BaseException as exc:  # noqa: BLE001 - reported to the trainer, raised there on every rank
+        outcome = f"{type(exc).__name__}: {exc}"
+    report_queue.put((job.path, outcome))
+
+
+def _worker_outcome(job: SealJob, report_queue: Any) -> None:
+    """Raise the background write's error, or a clear one if the worker died without reporting."""
+    reports = {}
+    while True:
+        try:
+            path, outcome = report_queue.get_nowait()
+        except queue_module.Empty:
+            break
+        reports[path] = outcome
+    if job.path not in reports:
+        raise FlashpointError("the background write of this rank ended without reporting (was the worker killed?)")
+    if reports[job.path] is not None:
+        raise FlashpointError(f"the background write failed: {reports[job.path]}")
+
+
+def _finalize_save(writer: _StagingWriter, global_metadata: Metadata | None, report_queue: Any) -> None:
     """Every rank: place its object; coordinator: commit. Any rank's failure is raised on every rank."""
     error: str | None = None
     results: list[WriteResult] = []
     try:
+        if writer.staged is None:
+            raise FlashpointError("finalize ran without a staged object; was async_save interrupted?")
+        _worker_outcome(writer.staged.seal_job, report_queue)
         results = writer.place_and_report()
     except Exception as exc:  # noqa: BLE001 - reported to every rank below
         writer.abandon()

@@ -20,7 +20,9 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (  # noqa
     FullyParallelSaveStrategyWrapper,
 )
 
+from ml_flashpoint_nemo.core.manager import start_manager_warmup  # noqa: E402
 from ml_flashpoint_nemo.megatron import FlashpointLoadStrategy, FlashpointSaveStrategy  # noqa: E402
+from tests.support import manager_hooks  # noqa: E402
 from tests.support.multiproc import scenario_main  # noqa: E402
 
 ROWS_PER_RANK = 4
@@ -64,7 +66,11 @@ def version_dir(base: str, step: int) -> str:
 
 
 def save_strategy(p: dict[str, Any]):
-    strategy = FlashpointSaveStrategy()
+    manager_future = None
+    if p.get("manager") and dist.get_rank() == 1:  # only rank 1's Manager misbehaves
+        manager_future = start_manager_warmup(timeout=p.get("manager_timeout"),
+                                              _server_hook=getattr(manager_hooks, p["manager"]))
+    strategy = FlashpointSaveStrategy(manager_future=manager_future)
     if p.get("fully_parallel"):
         strategy = FullyParallelSaveStrategyWrapper(strategy, dist.group.WORLD, do_cache_distribution=True)
     return strategy
@@ -135,6 +141,16 @@ def failed_background_write_fails_every_rank(p: dict[str, Any]) -> None:
     queue.close()
 
 
+def manager_failure_fails_first_save_everywhere(p: dict[str, Any]) -> None:
+    try:
+        save(p, 1, AsyncCallsQueue(persistent=False))
+    except Exception as exc:  # noqa: BLE001 - the test checks the message
+        print(f"SAVE FAILED: {type(exc).__name__}: {exc}")
+    else:
+        raise AssertionError("the save went on without a Manager")
+
+
 if __name__ == "__main__":
     scenario_main({f.__name__: f for f in (roundtrip, save_then_corrupt_is_refused,
-                                           failed_background_write_fails_every_rank)})
+                                           failed_background_write_fails_every_rank,
+                                           manager_failure_fails_first_save_everywhere)})

@@ -1,0 +1,455 @@
+"""Throughput of the core save and load paths, as ratios to a plain memcpy measured in the same run.
+
+DESIGN.md §8 states the performance budgets as ratios to memcpy, because absolute
+GB/s depend on the machine. This script measures, in one run and on one tmpfs:
+
+- memcpy      the reference: a single-threaded memcpy of every tensor into an
+              already-written tmpfs mapping of the same size.
+- save_warm   CheckpointSaver.save into warm pool buffers, checksums on.
+- save_nocrc  the same with checksums off (gives the checksum overhead).
+- save_first  the first save of a new process that pre-faults its pool in the
+              background at start (one child process per run).
+- load        load_version into pre-allocated destination tensors, checksums verified.
+- load_nocrc  load of a version saved without checksums (gives the load checksum overhead).
+- dcp_save / dcp_load      torch.distributed.checkpoint FileSystemWriter/Reader, same tmpfs.
+- torch_save / torch_load  torch.save / torch.load, same tmpfs.
+
+The state is a few large tensors (~90% of the bytes) and up to 2000 small ones of
+1-64 KiB in several dtypes, random values from a fixed seed. Every figure is the
+median of --runs runs; gbps counts tensor bytes only (1 GB = 1e9 bytes).
+
+    python benchmarks/bench_core.py --size-gib 1          # table
+    python benchmarks/bench_core.py --size-gib 1 --json   # one JSON object per line
+"""
+
+from __future__ import annotations
+
+import argparse
+import array
+import functools
+import json
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from itertools import count
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from ml_flashpoint_nemo import _core
+from ml_flashpoint_nemo.core import CheckpointSaver, load_version
+from ml_flashpoint_nemo.core.tuning import default_copy_threads
+
+SEED = 1234
+GIB = 1 << 30
+LARGE_TENSORS = 8
+LARGE_DTYPES = (torch.float32, torch.bfloat16)
+LARGE_COLUMNS = 1024
+SMALL_TENSORS = 2000
+SMALL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32)
+SMALL_MIN_BYTES, SMALL_MAX_BYTES = 1 << 10, 64 << 10
+SMALL_SHARE = 0.10  # at most this share of the bytes goes to small tensors
+MEMCPY_ALIGNMENT = 64
+# With keep=1 the saver cycles two buffers (the committed one and the one being filled):
+# two untimed saves fault both in, so the timed saves all write into warm pages.
+WARMUP_SAVES = 2
+QUICK_SIZE_GIB = 0.02
+CHILD_FLAG = "--child-save-first"
+
+# dcp.save/load warn that they run without a process group, which is the point here.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+State = dict[str, torch.Tensor]
+
+
+# ---------------------------------------------------------------- the state
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for dim in self.shape:
+            numel *= dim
+        return numel * self.dtype.itemsize
+
+
+def plan_state(total_bytes: int, seed: int = SEED) -> list[TensorSpec]:
+    """Keys, dtypes and shapes of a state of about total_bytes; the large tensors are spread among the small."""
+    rng = random.Random(seed)
+    small: list[TensorSpec] = []
+    small_bytes = 0
+    for i in range(SMALL_TENSORS):
+        dtype = rng.choice(SMALL_DTYPES)
+        numel = rng.randint(SMALL_MIN_BYTES, SMALL_MAX_BYTES) // dtype.itemsize
+        if small_bytes + numel * dtype.itemsize > total_bytes * SMALL_SHARE:
+            break
+        small.append(TensorSpec(f"small.{i:04d}", dtype, (numel,)))
+        small_bytes += numel * dtype.itemsize
+    large_each = (total_bytes - small_bytes) // LARGE_TENSORS
+    specs: list[TensorSpec] = []
+    stride = max(1, len(small) // LARGE_TENSORS)
+    for j in range(LARGE_TENSORS):
+        dtype = LARGE_DTYPES[j % len(LARGE_DTYPES)]
+        rows = max(1, large_each // (LARGE_COLUMNS * dtype.itemsize))
+        specs.append(TensorSpec(f"large.{j}", dtype, (rows, LARGE_COLUMNS)))
+        specs.extend(small[j * stride : (j + 1) * stride if j < LARGE_TENSORS - 1 else len(small)])
+    return specs
+
+
+def build_state(specs: list[TensorSpec], seed: int = SEED) -> State:
+    generator = torch.Generator().manual_seed(seed)
+    return {spec.key: _random_tensor(spec, generator) for spec in specs}
+
+
+def _random_tensor(spec: TensorSpec, generator: torch.Generator) -> torch.Tensor:
+    if spec.dtype.is_floating_point:
+        return torch.randn(spec.shape, dtype=spec.dtype, generator=generator)
+    info = torch.iinfo(spec.dtype)
+    return torch.randint(info.min, info.max, spec.shape, dtype=spec.dtype, generator=generator)
+
+
+def state_nbytes(state_or_specs: State | list[TensorSpec]) -> int:
+    values = state_or_specs.values() if isinstance(state_or_specs, dict) else state_or_specs
+    return sum(v.nbytes for v in values)
+
+
+def zero_(state: State) -> None:
+    for tensor in state.values():
+        tensor.zero_()
+
+
+def check_equal(actual: State, expected: State, what: str) -> None:
+    """A benchmark of a load that loads wrong bytes is worthless: compare once after timing."""
+    wrong = [key for key, tensor in expected.items() if not torch.equal(actual[key], tensor)]
+    if wrong:
+        raise AssertionError(f"{what} loaded wrong data for {len(wrong)} keys, e.g. {wrong[:3]}")
+
+
+# ---------------------------------------------------------------- timing
+
+
+@dataclass
+class Result:
+    name: str
+    seconds: float  # median
+    samples: list[float]
+    nbytes: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9
+
+    def as_dict(self, memcpy_gbps: float) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "gbps": round(self.gbps, 3),
+            "ratio_vs_memcpy": round(self.gbps / memcpy_gbps, 3),
+            "seconds": round(self.seconds, 4),
+            "runs": len(self.samples),
+            "min_seconds": round(min(self.samples), 4),
+            "max_seconds": round(max(self.samples), 4),
+            "nbytes": self.nbytes,
+            **self.extra,
+        }
+
+
+def timed(action: Callable[[], Any], setup: Callable[[], Any] | None = None) -> Callable[[], float]:
+    """A run that calls setup untimed, then returns the wall-clock seconds of action."""
+
+    def run_once() -> float:
+        if setup is not None:
+            setup()
+        start = time.perf_counter()
+        result = action()
+        elapsed = time.perf_counter() - start
+        del result  # freeing what the action returned (e.g. loaded tensors) is not part of it
+        return elapsed
+
+    return run_once
+
+
+def median_of_runs(name: str, run_once: Callable[[], float], runs: int, nbytes: int, **extra: Any) -> Result:
+    samples = [run_once() for _ in range(runs)]
+    result = Result(name, statistics.median(samples), samples, nbytes, extra)
+    print(f"  {name}: {result.seconds:.4f} s, {result.gbps:.2f} GB/s", file=sys.stderr, flush=True)
+    return result
+
+
+@dataclass
+class Bench:
+    """What every measurement needs: the state, where to write, how often, how many threads."""
+
+    state: State
+    workdir: Path
+    runs: int
+    threads: int
+
+    @property
+    def nbytes(self) -> int:
+        return state_nbytes(self.state)
+
+    def fresh_dir(self, name: str) -> Path:
+        path = self.workdir / name
+        shutil.rmtree(path, ignore_errors=True)
+        return path
+
+
+# ---------------------------------------------------------------- measurements
+
+
+def bench_memcpy(bench: Bench) -> Result:
+    """One thread, memcpy only, into a mapping whose pages exist and were written once."""
+    ops: list[int] = []
+    offset = 0
+    for tensor in bench.state.values():
+        ops += (tensor.data_ptr(), offset, tensor.nbytes)
+        offset += (tensor.nbytes + MEMCPY_ALIGNMENT - 1) // MEMCPY_ALIGNMENT * MEMCPY_ALIGNMENT
+    flat = array.array("Q", ops)
+    path = bench.workdir / "memcpy.buf"
+    buffer = _core.ShmBuffer.create(str(path), offset)
+    try:
+        buffer.prefault()
+        copy = functools.partial(_core.copy_into_buffer, buffer, flat, checksum=False, threads=1)
+        copy()  # written once: no first-touch cost in the timed runs
+        return median_of_runs(
+            "memcpy", timed(copy), bench.runs, bench.nbytes,
+            threads=1, single_threaded=True, tensors=len(bench.state),
+            note="single-threaded memcpy into a warm tmpfs mapping (the reference)",
+        )
+    finally:
+        buffer.close()
+        path.unlink(missing_ok=True)
+
+
+def bench_save_and_load(bench: Bench, dest: State, *, checksum: bool) -> tuple[Result, Result]:
+    """Steady-state saves into warm pool buffers, then loads of the last one into `dest`."""
+    suffix = "" if checksum else "_nocrc"
+    base = bench.fresh_dir(f"save{suffix}")
+    steps = count()
+    try:
+        with CheckpointSaver(base, threads=bench.threads, checksum=checksum) as saver:
+
+            def save() -> None:
+                saver.save(next(steps), bench.state)
+
+            for _ in range(WARMUP_SAVES):
+                save()
+            saved = median_of_runs(
+                "save_warm" if checksum else "save_nocrc", timed(save), bench.runs, bench.nbytes,
+                threads=bench.threads, checksum=checksum, warmup_saves=WARMUP_SAVES,
+            )
+            last_step = next(steps) - 1
+            load = functools.partial(load_version, base, last_step, into=dest, threads=bench.threads)
+            loaded = median_of_runs(
+                f"load{suffix}", timed(load, setup=lambda: zero_(dest)), bench.runs, bench.nbytes,
+                threads=bench.threads, checksum=checksum, destination="pre-allocated, touched tensors",
+            )
+            check_equal(dest, bench.state, f"load{suffix}")
+        return saved, loaded
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def bench_dcp(bench: Bench, dest: State) -> tuple[Result, Result]:
+    path = bench.workdir / "dcp"
+
+    def save() -> None:
+        dcp.save(bench.state, storage_writer=dcp.FileSystemWriter(path), no_dist=True)
+
+    def load() -> None:
+        dcp.load(dest, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+
+    try:
+        saved = median_of_runs(
+            "dcp_save", timed(save, setup=lambda: bench.fresh_dir("dcp")), bench.runs, bench.nbytes,
+            fresh_files=True, writer="FileSystemWriter defaults (thread_count=1, sync_files=True)",
+            note="the previous checkpoint directory is removed before each save",
+        )
+        loaded = median_of_runs(
+            "dcp_load", timed(load, setup=lambda: zero_(dest)), bench.runs, bench.nbytes,
+            destination="pre-allocated, touched tensors",
+        )
+        check_equal(dest, bench.state, "dcp_load")
+        return saved, loaded
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def bench_torch(bench: Bench) -> tuple[Result, Result]:
+    path = bench.workdir / "state.pt"
+    try:
+        saved = median_of_runs(
+            "torch_save", timed(lambda: torch.save(bench.state, path), setup=lambda: path.unlink(missing_ok=True)),
+            bench.runs, bench.nbytes, fresh_files=True,
+        )
+        loaded = median_of_runs(
+            "torch_load", timed(lambda: torch.load(path, weights_only=True, mmap=False)), bench.runs, bench.nbytes,
+            destination="new tensors (torch.load allocates them)",
+        )
+        return saved, loaded
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def bench_save_first(bench_dir: Path, size_gib: float, runs: int, threads: int, nbytes: int) -> Result:
+    """One fresh process per run; each pre-faults its pool at start and times its first save."""
+    reports: list[dict[str, Any]] = []
+
+    def run_once() -> float:
+        base = bench_dir / "save_first"
+        shutil.rmtree(base, ignore_errors=True)
+        try:
+            reports.append(_run_child(base, size_gib, threads))
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+        return reports[-1]["seconds"]
+
+    result = median_of_runs("save_first", run_once, runs, nbytes, threads=threads, checksum=True)
+    result.extra.update(
+        warmup_seconds=round(statistics.median(r["warmup_seconds"] for r in reports), 4),
+        warmup_wait_seconds=round(statistics.median(r["warmup_wait_seconds"] for r in reports), 4),
+        warmup_nbytes=reports[-1]["warmup_nbytes"],
+        object_nbytes=reports[-1]["object_nbytes"],
+        note="first save of a new process; pool pre-faulted in the background (saver.warm_up) while the "
+        "state was built, then waited for",
+    )
+    return result
+
+
+def _run_child(base: Path, size_gib: float, threads: int) -> dict[str, Any]:
+    command = [sys.executable, str(Path(__file__).resolve()), CHILD_FLAG,
+               "--size-gib", str(size_gib), "--threads", str(threads), "--base-dir", str(base)]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    if completed.returncode != 0:
+        raise RuntimeError(f"save_first child failed ({completed.returncode}):\n{completed.stderr}")
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def child_save_first(base: Path, size_gib: float, threads: int) -> None:
+    """In the child: warm up the pool first thing, build the state meanwhile, then time one save."""
+    specs = plan_state(int(size_gib * GIB))
+    nbytes = state_nbytes(specs)
+    with CheckpointSaver(base, threads=threads) as saver:
+        warmup_start = time.perf_counter()
+        warmup = saver.warm_up(nbytes)
+        warmup_done = threading.Event()
+        finished_at: list[float] = []
+
+        def on_warmup_done(_: object) -> None:  # result() may return before callbacks run: wait for this
+            finished_at.append(time.perf_counter())
+            warmup_done.set()
+
+        warmup.add_done_callback(on_warmup_done)
+        state = build_state(specs)
+        wait_start = time.perf_counter()
+        warmup.result()
+        warmup_done.wait()
+        waited = time.perf_counter() - wait_start
+        start = time.perf_counter()
+        result = saver.save(0, state)
+        seconds = time.perf_counter() - start
+    print(json.dumps({
+        "seconds": seconds,
+        "warmup_seconds": finished_at[0] - warmup_start,
+        "warmup_wait_seconds": waited,
+        "warmup_nbytes": nbytes,
+        "object_nbytes": result.objects[0].nbytes,
+    }))
+
+
+# ---------------------------------------------------------------- driver
+
+
+def run_all(args: argparse.Namespace, workdir: Path) -> list[Result]:
+    specs = plan_state(int(args.size_gib * GIB))
+    nbytes = state_nbytes(specs)
+    print(f"state: {len(specs)} tensors, {nbytes / 1e9:.3f} GB; {args.runs} runs each; "
+          f"{args.threads} threads; in {workdir}", file=sys.stderr, flush=True)
+    # First, while this process holds no state, so the children have the memory to themselves.
+    results = [bench_save_first(workdir, args.size_gib, args.runs, args.threads, nbytes)]
+    bench = Bench(build_state(specs), workdir, args.runs, args.threads)
+    dest = {key: torch.zeros_like(tensor) for key, tensor in bench.state.items()}
+    results.insert(0, bench_memcpy(bench))
+    save_warm, load = bench_save_and_load(bench, dest, checksum=True)
+    save_nocrc, load_nocrc = bench_save_and_load(bench, dest, checksum=False)
+    save_warm.extra["checksum_overhead"] = round(save_warm.seconds / save_nocrc.seconds - 1, 4)
+    load.extra["checksum_overhead"] = round(load.seconds / load_nocrc.seconds - 1, 4)
+    results += [save_warm, save_nocrc, load, load_nocrc]
+    results += bench_dcp(bench, dest)
+    del dest  # torch.load allocates its own tensors
+    results += bench_torch(bench)
+    return results
+
+
+def print_results(results: list[Result], as_json: bool) -> None:
+    memcpy_gbps = next(r for r in results if r.name == "memcpy").gbps
+    rows = [r.as_dict(memcpy_gbps) for r in results]
+    if as_json:
+        for row in rows:
+            print(json.dumps(row))
+        return
+    print(f"{'name':<12} {'GB/s':>8} {'x memcpy':>9} {'median s':>9} {'runs':>5}  notes")
+    for row, result in zip(rows, results):
+        notes = ", ".join(f"{k}={v}" for k, v in result.extra.items() if k != "note")
+        print(f"{row['name']:<12} {row['gbps']:>8.2f} {row['ratio_vs_memcpy']:>9.2f} "
+              f"{row['seconds']:>9.4f} {row['runs']:>5}  {notes}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size-gib", type=float, default=1.0, help="total tensor bytes of the state (default 1)")
+    parser.add_argument("--runs", type=int, default=5, help="runs per measurement; the median is reported")
+    parser.add_argument("--threads", type=int, default=default_copy_threads(),
+                        help="copy threads for our save and load (default: %(default)s)")
+    parser.add_argument("--base-dir", type=Path, default=None,
+                        help="where to write; a fresh directory inside it is used and removed "
+                        "(default: a fresh directory under /dev/shm)")
+    parser.add_argument("--json", action="store_true", help="one JSON object per line")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"smoke run: {QUICK_SIZE_GIB} GiB, 1 run (overrides --size-gib and --runs)")
+    parser.add_argument(CHILD_FLAG, action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.size_gib, args.runs = QUICK_SIZE_GIB, 1
+    if args.runs < 1 or args.size_gib <= 0 or args.threads < 1:
+        parser.error("--runs, --size-gib and --threads must be positive")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child_save_first:
+        child_save_first(args.base_dir, args.size_gib, args.threads)
+        return 0
+    # SIGTERM unwinds like Ctrl-C, so the finally below removes what was written to RAM.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    parent = args.base_dir or Path("/dev/shm")
+    parent.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="flashpoint-bench-", dir=parent))
+    try:
+        results = run_all(args, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    print_results(results, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

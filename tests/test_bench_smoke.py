@@ -1,0 +1,33 @@
+"""benchmarks/bench_core.py runs end to end on a tiny state and reports every measurement."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+REQUIRED = {
+    "memcpy", "save_warm", "save_nocrc", "save_first", "load",
+    "dcp_save", "dcp_load", "torch_save", "torch_load",
+}
+
+
+def test_bench_core_quick_reports_every_measurement(base_dir: Path):
+    result = subprocess.run(
+        [sys.executable, "benchmarks/bench_core.py", "--quick", "--json", "--base-dir", str(base_dir)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = {row["name"]: row for row in map(json.loads, result.stdout.splitlines())}
+    assert REQUIRED <= rows.keys(), f"missing {REQUIRED - rows.keys()}"
+    for name, row in rows.items():
+        assert row["gbps"] > 0, name
+        assert row["ratio_vs_memcpy"] > 0, name
+        assert row["seconds"] > 0 and row["runs"] == 1 and row["nbytes"] > 0, name
+    assert rows["memcpy"]["ratio_vs_memcpy"] == 1.0
+    assert rows["memcpy"]["single_threaded"] is True
+    assert "checksum_overhead" in rows["save_warm"]
+    assert "warmup_seconds" in rows["save_first"]
+    assert not any(base_dir.iterdir()), "the benchmark left files behind"
