@@ -55,6 +55,16 @@ def run_world(module: str, scenario: str, world_size: int, params: dict[str, Any
     return outputs
 
 
+def expect_failure(action: Callable[[], Any], label: str) -> None:
+    """Run action, which must fail; print "<label>: <type>: <message>" for the test to check."""
+    try:
+        action()
+    except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        print(f"{label}: {type(exc).__name__}: {exc}")
+        return
+    raise AssertionError(f"expected a failure ({label}) but the action succeeded")
+
+
 def scenario_main(scenarios: dict[str, Callable[[dict[str, Any]], None]]) -> None:
     """Entry point of a scenario module: set up the process group, run the scenario, tear down."""
     import torch.distributed as dist
