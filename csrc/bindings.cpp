@@ -24,7 +24,8 @@ template <typename Op, size_t Fields>
 std::vector<Op> ops_from_buffer(const py::buffer& flat) {
   static_assert(sizeof(Op) == Fields * sizeof(uint64_t), "op layout must be packed uint64 fields");
   py::buffer_info info = flat.request();
-  if (info.itemsize != sizeof(uint64_t) || info.ndim != 1 || (info.strides[0] != sizeof(uint64_t) && info.size > 1))
+  const char kind = info.format.empty() ? '?' : info.format.back();
+  if (info.itemsize != sizeof(uint64_t) || (kind != 'Q' && kind != 'L') || info.ndim != 1 || (info.strides[0] != sizeof(uint64_t) && info.size > 1))
     throw std::invalid_argument("operations must be a contiguous 1-d buffer of uint64 (array.array('Q'))");
   if (info.size % Fields != 0)
     throw std::invalid_argument("operation buffer length must be a multiple of " + std::to_string(Fields));
@@ -35,13 +36,8 @@ std::vector<Op> ops_from_buffer(const py::buffer& flat) {
 
 py::buffer_info request_readable(const py::buffer& data) {
   py::buffer_info info = data.request();
-  if (info.ndim > 1) {
-    ssize_t expected = info.itemsize;
-    for (ssize_t d = info.ndim - 1; d >= 0; --d) {
-      if (info.strides[d] != expected) throw std::invalid_argument("buffer must be C-contiguous");
-      expected *= info.shape[d];
-    }
-  }
+  // 1-d views can be strided too (memoryview(b)[::2], [::-1]): check every dimension.
+  if (!PyBuffer_IsContiguous(info.view(), 'C')) throw std::invalid_argument("buffer must be C-contiguous");
   return info;
 }
 

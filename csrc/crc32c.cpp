@@ -40,8 +40,8 @@ uint32_t gf2_multiply(uint32_t a, uint32_t b) {
 struct Tables {
   // Slicing-by-8 tables for the software path.
   uint32_t slice[8][256];
-  // x^(2^k) mod P for k = 0..63, used to build x^(8n) for any n.
-  uint32_t x_pow2[64];
+  // x^(2^k) mod P for k = 0..66, used to build x^(8n) for any 64-bit n (k runs from 3 to 66).
+  uint32_t x_pow2[67];
   // Multiplication by x^(8*kLane) mod P, split by input byte.
   uint32_t lane_shift[4][256];
 
@@ -57,7 +57,7 @@ struct Tables {
 
     uint32_t p = 0x40000000u;  // x^1
     x_pow2[0] = p;
-    for (int k = 1; k < 64; ++k) x_pow2[k] = p = gf2_multiply(p, p);
+    for (int k = 1; k < 67; ++k) x_pow2[k] = p = gf2_multiply(p, p);
 
     const uint32_t lane_constant = x_pow_8n(kLane);
     for (int byte = 0; byte < 4; ++byte)
@@ -69,7 +69,7 @@ struct Tables {
   uint32_t x_pow_8n(uint64_t n) const {
     uint32_t result = 0x80000000u;  // x^0
     for (int k = 3; n != 0; n >>= 1, ++k)
-      if (n & 1) result = gf2_multiply(x_pow2[k & 63], result);
+      if (n & 1) result = gf2_multiply(x_pow2[k], result);
     return result;
   }
 };

@@ -158,6 +158,7 @@ void ShmBuffer::prefault(size_t offset, size_t length) {
 
 void ShmBuffer::rename_to(const std::string& new_path) {
   std::unique_lock<std::shared_mutex> guard(lock_);
+  check_open();  // a closed buffer's path may name someone else's file by now
   if (::rename(path_.c_str(), new_path.c_str()) != 0)
     throw OsError(errno, "cannot rename " + path_ + " to " + new_path, new_path);
   path_ = new_path;
