@@ -20,7 +20,6 @@ namespace {
 
 constexpr uint64_t kPieceBytes = uint64_t(4) << 20;      // large ops are split into pieces this big
 constexpr uint64_t kTaskBytes = uint64_t(1) << 20;       // small pieces are grouped into tasks this big
-constexpr uint64_t kCopyChunk = uint64_t(64) << 10;      // copy then checksum while in L1/L2
 constexpr uint64_t kReadChunk = uint64_t(256) << 10;     // one pread per chunk, checksummed in L2
 constexpr uint64_t kSingleThreadBytes = uint64_t(8) << 20;  // below this, threads cost more than they gain
 
@@ -146,16 +145,10 @@ std::vector<uint32_t> copy_into_buffer(ShmBuffer& buffer, const std::vector<MemT
     const uint8_t* src = reinterpret_cast<const uint8_t*>(op.src_address) + p.offset;
     uint8_t* dst = base + op.dst_offset + p.offset;
     if (!checksum) {
-      std::memcpy(dst, src, p.nbytes);
+      copy_streaming(dst, src, p.nbytes);
       return uint32_t(0);
     }
-    uint32_t crc = 0;
-    for (uint64_t done = 0; done < p.nbytes; done += kCopyChunk) {
-      const uint64_t m = std::min(kCopyChunk, p.nbytes - done);
-      std::memcpy(dst + done, src + done, m);
-      crc = crc32c(dst + done, m, crc);
-    }
-    return crc;
+    return crc32c_copy(dst, src, p.nbytes);
   });
 }
 

@@ -12,6 +12,7 @@
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <cpuid.h>
+#include <immintrin.h>
 #include <nmmintrin.h>
 #define FLASHPOINT_X86 1
 #elif defined(__aarch64__)
@@ -146,6 +147,52 @@ bool cpu_has_sse42() {
   if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return false;
   return (ecx & bit_SSE4_2) != 0;
 }
+
+bool cpu_has_avx2() {
+  unsigned eax, ebx, ecx, edx;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  return (ebx & bit_AVX2) != 0;
+}
+
+// One pass over the source: every 32 bytes are loaded once, folded into one of three
+// interleaved CRC streams and written with a non-temporal store, so the destination
+// costs no cache fills and the checksum no second trip to memory. dst must be 32-byte
+// aligned and n a multiple of 3 * kLane; returns the raw register.
+__attribute__((target("sse4.2,avx2"))) uint32_t copy_crc_lanes_nt(uint8_t* dst, const uint8_t* src, size_t n,
+                                                                   uint32_t crc) {
+  for (; n >= 3 * kLane; n -= 3 * kLane, src += 3 * kLane, dst += 3 * kLane) {
+    uint64_t a = crc, b = 0, c = 0;
+    for (size_t i = 0; i < kLane; i += 32) {
+      const uint8_t* sa = src + i;
+      const uint8_t* sb = src + kLane + i;
+      const uint8_t* sc = src + 2 * kLane + i;
+      const __m256i va = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sa));
+      const __m256i vb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb));
+      const __m256i vc = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc));
+      for (size_t w = 0; w < 32; w += 8) {
+        uint64_t wa, wb, wc;
+        std::memcpy(&wa, sa + w, 8);
+        std::memcpy(&wb, sb + w, 8);
+        std::memcpy(&wc, sc + w, 8);
+        a = _mm_crc32_u64(a, wa);
+        b = _mm_crc32_u64(b, wb);
+        c = _mm_crc32_u64(c, wc);
+      }
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), va);
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + kLane + i), vb);
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 2 * kLane + i), vc);
+    }
+    crc = shift_one_lane(shift_one_lane(static_cast<uint32_t>(a)) ^ static_cast<uint32_t>(b)) ^
+          static_cast<uint32_t>(c);
+  }
+  return crc;
+}
+
+__attribute__((target("avx2"))) void copy_nt(uint8_t* dst, const uint8_t* src, size_t n) {
+  for (size_t i = 0; i < n; i += 32)
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+}
 #endif
 
 #if FLASHPOINT_ARM
@@ -222,5 +269,61 @@ uint32_t crc32c_software(const void* data, size_t n, uint32_t crc) {
 }
 
 const char* crc32c_backend() { return backend().name; }
+
+namespace {
+
+constexpr size_t kStreamMin = size_t(256) << 10;  // below this, cached stores are as fast and keep data hot
+
+#if FLASHPOINT_X86
+bool can_stream() {
+  static const bool ok = cpu_has_sse42() && cpu_has_avx2();
+  return ok;
+}
+
+// Bytes to handle before dst is 32-byte aligned.
+size_t head_until_aligned(const uint8_t* dst, size_t n) {
+  const size_t misalign = reinterpret_cast<uintptr_t>(dst) & 31;
+  return std::min(n, misalign ? 32 - misalign : size_t(0));
+}
+#endif
+
+}  // namespace
+
+uint32_t crc32c_copy(void* dst_void, const void* src_void, size_t n, uint32_t crc) {
+  auto* dst = static_cast<uint8_t*>(dst_void);
+  const auto* src = static_cast<const uint8_t*>(src_void);
+#if FLASHPOINT_X86
+  if (n >= kStreamMin && can_stream()) {
+    const size_t head = head_until_aligned(dst, n);
+    std::memcpy(dst, src, head);
+    uint32_t raw = crc_raw_sse42(~crc, src, head);
+    const size_t body = (n - head) / (3 * kLane) * (3 * kLane);
+    raw = copy_crc_lanes_nt(dst + head, src + head, body, raw);
+    _mm_sfence();  // the streamed bytes are ordered before anything written after this call
+    const size_t done = head + body;
+    std::memcpy(dst + done, src + done, n - done);
+    return ~crc_raw_sse42(raw, src + done, n - done);
+  }
+#endif
+  std::memcpy(dst, src, n);
+  return crc32c(dst, n, crc);
+}
+
+void copy_streaming(void* dst_void, const void* src_void, size_t n) {
+  auto* dst = static_cast<uint8_t*>(dst_void);
+  const auto* src = static_cast<const uint8_t*>(src_void);
+#if FLASHPOINT_X86
+  if (n >= kStreamMin && can_stream()) {
+    const size_t head = head_until_aligned(dst, n);
+    std::memcpy(dst, src, head);
+    const size_t body = (n - head) / 32 * 32;
+    copy_nt(dst + head, src + head, body);
+    _mm_sfence();
+    std::memcpy(dst + head + body, src + head + body, n - head - body);
+    return;
+  }
+#endif
+  std::memcpy(dst, src, n);
+}
 
 }  // namespace flashpoint

@@ -19,6 +19,13 @@ uint32_t crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
 // Portable table-driven CRC32C, used as the reference in tests.
 uint32_t crc32c_software(const void* data, size_t n, uint32_t crc = 0);
 
+// Copies n bytes and returns the CRC32C of them, continuing from crc. Large copies run in
+// one pass with non-temporal stores (the destination is not pulled into the cache).
+uint32_t crc32c_copy(void* dst, const void* src, size_t n, uint32_t crc = 0);
+
+// memcpy that uses non-temporal stores for large copies, like crc32c_copy without the CRC.
+void copy_streaming(void* dst, const void* src, size_t n);
+
 // Name of the implementation picked at start-up: "sse4.2", "armv8-crc" or "software".
 const char* crc32c_backend();
 

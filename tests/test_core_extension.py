@@ -938,3 +938,23 @@ def test_copy_into_buffer_releases_the_gil(shm_dir):
             assert _core.crc32c(view[: 1 << 20]) == crc_of_source
     finally:
         buffer.close()
+
+
+@pytest.mark.parametrize("checksum", [True, False])
+@pytest.mark.parametrize(
+    "dst_offset, src_offset, nbytes",
+    [(1, 3, (1 << 20) + 17), (33, 0, 3 * 4096 * 5 + 5), (64, 7, 256 << 10), (4096, 1, (8 << 20) + 1), (0, 0, 255 << 10)],
+)
+def test_large_copies_stream_correctly_at_any_alignment(shm_dir, checksum, dst_offset, src_offset, nbytes):
+    """Copies of 256 KiB and more take the one-pass streaming path: check its edges byte for byte."""
+    buffer = ShmBuffer.create(str(shm_dir / "buf"), 16 << 20)
+    source = torch.randint(0, 256, (nbytes + src_offset,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    try:
+        crcs = _core.copy_into_buffer(buffer, ops_array([(source.data_ptr() + src_offset, dst_offset, nbytes)]),
+                                      checksum, 2)
+        expected = source[src_offset:].numpy().tobytes()
+        assert buffer_bytes(buffer, dst_offset, nbytes) == expected
+        assert buffer_bytes(buffer, 0, dst_offset) == bytes(dst_offset)  # nothing written before the op
+        assert crcs == [_core.crc32c(expected) if checksum else 0]
+    finally:
+        buffer.close()
