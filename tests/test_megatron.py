@@ -47,3 +47,7 @@ def test_manager_failure_on_one_rank_fails_the_first_save_on_every_rank(base_dir
                   manager_timeout=timeout)
     assert all("SAVE FAILED: ManagerStartError" in out and "rank 1" in out for out in outputs), outputs
     assert committed_steps(CheckpointLayout(base_dir)) == []
+
+
+def test_cached_plan_is_dropped_when_one_rank_changes_structure(base_dir):
+    run("plan_reused_only_while_structure_is_unchanged", 2, base=base_dir)

@@ -148,6 +148,23 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         self.threads = threads or default_copy_threads()
         self.manager_future = manager_future
         self._report_queue: Any = None
+        self._signature: int | None = None
+        self._cached_plans: tuple[Any, Any, bool] | None = None
+        self._cached_metadata: Metadata | None = None
+
+    def _structure_unchanged_on_every_rank(self, sharded_state_dict: ShardedStateDict) -> bool:
+        """True when no rank's keys, shapes, dtypes or sharding changed since the last save.
+
+        Checked every save (a hash per rank and one small all-reduce); only then is the last
+        save's plan reused, which skips the planning collectives.
+        """
+        signature = hash(tuple(_describe(v) for v in nested_values(sharded_state_dict)))
+        changed = self._cached_plans is None or signature != self._signature
+        self._signature = signature
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+        flag = torch.tensor([int(changed)], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return not bool(flag.item())
 
     def _report_queue_agreed_by_all_ranks(self) -> Any:
         """The queue for background-write outcomes; at the first save, all ranks agree the Manager runs."""
@@ -172,12 +189,23 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         report_queue = self._report_queue_agreed_by_all_ranks()
         # Only main replicas are written (as Megatron's torch_dist does): replicated tensors once per job.
         sharded_state_dict, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, True)
+        reuse_plan = self._structure_unchanged_on_every_rank(sharded_state_dict)
         pyt_state_dict = mcore_to_pyt_state_dict(sharded_state_dict, False)
         writer = _StagingWriter(checkpoint_dir, keep=self.keep, checksum=self.checksum, threads=self.threads)
-        (writer, global_metadata, _), *_ = save_state_dict_async_plan(
-            pyt_state_dict, writer, None, 0, planner=MCoreSavePlanner(dedup_replicated_tensors=False,
-                                                                      flatten_state_dict=False)
+        (writer, global_metadata, _), central_plan, local_plan, _, _ = save_state_dict_async_plan(
+            pyt_state_dict,
+            writer,
+            None,
+            0,
+            planner=MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False),
+            cached_ckpt_structure=self._cached_plans if reuse_plan else None,
         )
+        # Our signature check validates the cache, so the plans are reusable from the next save on.
+        self._cached_plans = (central_plan, local_plan, True)
+        if global_metadata is not None:
+            self._cached_metadata = global_metadata
+        else:
+            global_metadata = self._cached_metadata  # the coordinator's, from the planning save
 
         def finalize() -> None:
             _finalize_save(writer, global_metadata, report_queue)
@@ -187,6 +215,16 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
 
     def can_handle_sharded_objects(self) -> bool:
         return True
+
+
+def _describe(value: Any) -> tuple:
+    """What the save plan depends on for one sharded value (not its data)."""
+    if isinstance(value, ShardedTensor):
+        return (value.key, value.dtype, tuple(value.local_shape), tuple(value.global_shape),
+                tuple(value.global_offset), tuple(value.axis_fragmentations), str(value.replica_id),
+                str(value.flattened_range))
+    return (type(value).__name__, getattr(value, "key", None), str(getattr(value, "global_shape", None)),
+            str(getattr(value, "global_offset", None)), str(getattr(value, "replica_id", None)))
 
 
 def seal_and_report(job: SealJob, threads: int, report_queue: Any) -> None:

@@ -117,6 +117,21 @@ def save_then_corrupt_is_refused(p: dict[str, Any]) -> None:
     expect_failure(lambda: load(p, 1), "REFUSED")
 
 
+def plan_reused_only_while_structure_is_unchanged(p: dict[str, Any]) -> None:
+    """Saves 1-2 share a structure (the plan is reused); save 3 adds a tensor on rank 1 only."""
+    strategy = save_strategy(p)
+    for step in (1, 2, 3):
+        state = sharded_state(step)
+        if step == 3 and dist.get_rank() == 1:
+            state["extra"] = ShardedTensor.from_rank_offsets("extra", torch.full((5,), 7.0), replica_id=0)
+        dist_checkpointing.save(state, version_dir(p["base"], step), sharded_strategy=strategy)
+    template = sharded_state(3, zeros=True)
+    template["extra"] = ShardedTensor.from_rank_offsets("extra", torch.zeros(5), replica_id=dist.get_rank())
+    loaded = dist_checkpointing.load(template, os.path.join(p["base"], "step-3"), sharded_strategy=load_strategy(p))
+    check_loaded(loaded, 3)
+    assert torch.equal(loaded["extra"], torch.full((5,), 7.0)), loaded["extra"]
+
+
 def failed_background_write_fails_every_rank(p: dict[str, Any]) -> None:
     """Rank 1's staged buffer disappears before its worker seals it: a real I/O failure in the worker."""
     save(p, 1, None)
@@ -138,4 +153,5 @@ def manager_failure_fails_first_save_everywhere(p: dict[str, Any]) -> None:
 if __name__ == "__main__":
     scenario_main({f.__name__: f for f in (roundtrip, save_then_corrupt_is_refused,
                                            failed_background_write_fails_every_rank,
-                                           manager_failure_fails_first_save_everywhere)})
+                                           manager_failure_fails_first_save_everywhere,
+                                           plan_reused_only_while_structure_is_unchanged)})
