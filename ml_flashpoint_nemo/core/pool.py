@@ -26,6 +26,7 @@ from pathlib import Path
 
 from ml_flashpoint_nemo import _core
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
+from ml_flashpoint_nemo.core.pinning import CudaHostRegistry
 from ml_flashpoint_nemo.errors import OutOfSpaceError, PoolBusyError
 
 logger = logging.getLogger(__name__)
@@ -57,8 +58,11 @@ def raise_if_out_of_space(exc: OSError, what: str) -> None:
 class BufferPool:
     """Tmpfs buffers of one rank: adopted after a restart, pre-faulted in the background, reused."""
 
-    def __init__(self, layout: CheckpointLayout, rank: int, *, max_free: int = 2) -> None:
+    def __init__(
+        self, layout: CheckpointLayout, rank: int, *, max_free: int = 2, pinning: CudaHostRegistry | None = None
+    ) -> None:
         self.layout = layout
+        self.pinning = pinning if pinning is not None else CudaHostRegistry()
         self.rank = rank
         self.max_free = max_free
         self.directory = layout.pool_dir(rank)
@@ -124,6 +128,9 @@ class BufferPool:
                         break
                     try:
                         buffer.prefault()
+                        with self._mutex:  # only while still free: acquire may be about to grow it
+                            if buffer in self._free:
+                                self.pinning.register(buffer)
                     except RuntimeError:  # closed or handed out and retired meanwhile
                         pass
                 future.set_result(None)
@@ -164,9 +171,10 @@ class BufferPool:
                 self._free.remove(buffer)
         target = buffer_size_for(nbytes)
         if buffer is None:
-            return self._create(target)
-        if buffer.size < nbytes:
+            buffer = self._create(target)
+        elif buffer.size < nbytes:
             old_size = buffer.size
+            self.pinning.unregister(buffer)  # the mapping may move
             try:
                 buffer.grow(target)
             except OSError as exc:
@@ -174,6 +182,7 @@ class BufferPool:
                 raise_if_out_of_space(exc, f"growing {buffer.path} to {target} bytes")
                 raise
             buffer.prefault(old_size)  # the pages it had are warm already
+        self.pinning.register(buffer)  # no-op without CUDA or when already registered
         return buffer
 
     def release(self, buffer: _core.ShmBuffer) -> None:
@@ -182,7 +191,7 @@ class BufferPool:
         A buffer whose file was removed meanwhile is closed instead: its memory cannot be reused.
         """
         if not os.path.exists(buffer.path):
-            _close_quietly(buffer)
+            self._close(buffer)
             return
         self._add_free(buffer)
 
@@ -221,7 +230,7 @@ class BufferPool:
         with self._mutex:
             buffer = self._placed.pop(str(object_path), None)
         if buffer is not None:
-            _close_quietly(buffer)
+            self._close(buffer)
 
     def _add_free(self, buffer: _core.ShmBuffer) -> None:
         with self._mutex:
@@ -233,7 +242,7 @@ class BufferPool:
                 excess.append(smallest)
         for extra in excess:
             path = extra.path
-            _close_quietly(extra)
+            self._close(extra)
             Path(path).unlink(missing_ok=True)
 
     def close(self) -> None:
@@ -245,7 +254,7 @@ class BufferPool:
             buffers = self._free + list(self._placed.values())
             self._free, self._placed = [], {}
         for buffer in buffers:
-            _close_quietly(buffer)
+            self._close(buffer)
         if self._warmup is not None and not self._warmup.done():
             try:
                 self._warmup.result(timeout=30)
@@ -253,15 +262,17 @@ class BufferPool:
                 pass
         os.close(self._lock_fd)
 
+    def _close(self, buffer: _core.ShmBuffer) -> None:
+        """Unmap a buffer, releasing its CUDA registration first."""
+        self.pinning.unregister(buffer)
+        try:
+            buffer.close()
+        except BufferError:
+            logger.warning("Buffer %s still has views; leaving it mapped", buffer.path)
+
     def __enter__(self) -> "BufferPool":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def _close_quietly(buffer: _core.ShmBuffer) -> None:
-    try:
-        buffer.close()
-    except BufferError:
-        logger.warning("Buffer %s still has views; leaving it mapped", buffer.path)

@@ -199,9 +199,11 @@ class CheckpointSaver:
                     view[entry.offset : entry.offset + value.nbytes] = value.data
                     continue
                 target = torch.frombuffer(view, dtype=torch.uint8, count=value.nbytes, offset=entry.offset)
-                # copy_ from a device tensor into pageable host memory returns once the bytes are here.
-                target.view(value.tensor.dtype).view(value.shape).copy_(value.tensor)
+                # Device tensors: one DMA copy into the (page-locked) pool buffer, overlapped with the next.
+                target.view(value.tensor.dtype).view(value.shape).copy_(value.tensor, non_blocking=value.tensor.is_cuda)
                 del target
+            if any(v.tensor is not None and v.tensor.is_cuda for v, _ in items):
+                torch.cuda.synchronize()  # every copy has landed before checksums or sealing read the buffer
         if not checksum:
             return [0] * len(items)
         ranges = array.array("Q")
