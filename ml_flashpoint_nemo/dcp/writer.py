@@ -197,6 +197,13 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
 _SAVERS: dict[tuple[str, int], CheckpointSaver] = {}
 
 
+def release_process_savers() -> None:
+    """Close every saver this process holds (their pools' mappings and locks); versions stay on the tmpfs."""
+    while _SAVERS:
+        _, saver = _SAVERS.popitem()
+        saver.close()
+
+
 def _process_saver(layout: CheckpointLayout, rank: int) -> CheckpointSaver:
     key = (str(layout.base_dir), rank)
     saver = _SAVERS.get(key)

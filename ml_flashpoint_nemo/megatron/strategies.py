@@ -56,13 +56,13 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
-from ml_flashpoint_nemo.core.manager import ManagerFuture, start_manager_warmup, wait_for_manager
+from ml_flashpoint_nemo.core.manager import ManagerFuture, shutdown_manager, start_manager_warmup, wait_for_manager
 from ml_flashpoint_nemo.core.saver import SealJob, StagedObject, seal_object
 from ml_flashpoint_nemo.core.tuning import default_copy_threads
 from ml_flashpoint_nemo.core.versions import delete_superseded
 from ml_flashpoint_nemo.dcp.reader import MemoryStorageReader
 from ml_flashpoint_nemo.dcp.storage_info import FlashpointStorageInfo, record_key
-from ml_flashpoint_nemo.dcp.writer import MemoryStorageWriter
+from ml_flashpoint_nemo.dcp.writer import MemoryStorageWriter, release_process_savers
 from ml_flashpoint_nemo.errors import CorruptCheckpointError, FlashpointError, ManagerStartError
 
 logger = logging.getLogger(__name__)
@@ -215,6 +215,14 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
 
     def can_handle_sharded_objects(self) -> bool:
         return True
+
+    def close(self) -> None:
+        """Release this process's buffer pools of the bases saved to (RAM versions stay) and the Manager."""
+        release_process_savers()
+        if self.manager_future is not None:
+            shutdown_manager(self.manager_future)
+            self.manager_future = None
+            self._report_queue = None
 
 
 def _describe(value: Any) -> tuple:

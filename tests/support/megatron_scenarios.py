@@ -83,9 +83,10 @@ def load_strategy(p: dict[str, Any]):
     return strategy
 
 
-def save(p: dict[str, Any], step: int, queue: AsyncCallsQueue | None) -> None:
+def save(p: dict[str, Any], step: int, queue: AsyncCallsQueue | None, strategy: Any = None) -> None:
     request = dist_checkpointing.save(sharded_state(step), version_dir(p["base"], step),
-                                      sharded_strategy=save_strategy(p), async_sharded_save=queue is not None)
+                                      sharded_strategy=strategy or save_strategy(p),
+                                      async_sharded_save=queue is not None)
     if queue is not None:
         queue.schedule_async_request(request)
         queue.maybe_finalize_async_calls(blocking=True)
@@ -98,12 +99,14 @@ def load(p: dict[str, Any], step: int) -> dict[str, Any]:
 
 def roundtrip(p: dict[str, Any]) -> None:
     queue = None if p["mode"] == "sync" else AsyncCallsQueue(persistent=p["mode"] == "persistent")
+    strategy = save_strategy(p)  # one per job, as a trainer holds it: its plan is reused from the 2nd save
     for step in (1, 2, 3):
-        save(p, step, queue)
+        save(p, step, queue, strategy)
     for step in (2, 3):  # keep=1: the newest and the one before the last save survive
         check_loaded(load(p, step), step)
     if queue is not None:
         queue.close()
+    (strategy.base_strategy if hasattr(strategy, "base_strategy") else strategy).close()
 
 
 def save_then_corrupt_is_refused(p: dict[str, Any]) -> None:

@@ -1,0 +1,551 @@
+"""What the adapters add on top of the core, measured in one run against references from the same run.
+
+DESIGN.md §3 and §8 give the budgets this script checks; every line has `target` and
+`meets_target` where a budget exists:
+
+- staging_copy       the reference for async saves: one torch copy_ of every tensor into
+                     already-allocated, already-touched host tensors, with torch's default
+                     threads (`seconds`) and with one thread (`seconds_1thread`).
+- async_blocking     Megatron dist_checkpointing.save(..., FlashpointSaveStrategy(),
+                     async_sharded_save=True) plus AsyncCallsQueue(persistent=False)
+                     .schedule_async_request: the time the training step waits. The
+                     finalize (maybe_finalize_async_calls(blocking=True)) is not part of it.
+                     Budget: blocking <= 1.1x the faster of the two staging copies
+                     (torch's threads can stall in OpenMP on a busy machine). Measured with
+                     Python's GC on (the budget) and off (gc_off_*, as trainers often run).
+- dcp_save_vs_core   dcp.save with a reused MemoryStorageWriter vs CheckpointSaver.save.
+- dcp_load_vs_core   dcp.load with MemoryStorageReader vs load_version, both into
+                     pre-allocated tensors. Budget for both: DCP adds <= 10%.
+- manager_warmup_return  how long start_manager_warmup() takes to return in this process
+                     (budget < 5 ms); also how long until the Manager is ready.
+- manager_ready_nemo / manager_ready_bare  the same in a child interpreter whose main
+                     script imported nemo.lightning first / did not import NeMo.
+
+Megatron and DCP run in a single-process gloo group (world size 1). On a CPU-only torch,
+Megatron's dist_checkpointing needs the two CUDA shims of tests/support/megatron_cpu.py;
+they are installed before megatron is imported and the output says so. The state is a
+few large tensors (~90% of the bytes) and ~500 small ones, random values from a fixed
+seed; every figure is the median of --runs runs; gbps counts tensor bytes (1 GB = 1e9 B).
+
+    python benchmarks/bench_adapters.py                 # table
+    python benchmarks/bench_adapters.py --json          # one JSON object per line
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+CHILD_FLAG = "--child-manager"
+CHILD_NEMO_FLAG = "--child-import-nemo"
+
+# A child started with CHILD_NEMO_FLAG stands for a training script that imports NeMo at its
+# top level, before anything else. Were the Manager's spawned process to re-import the main
+# module (spawn does by default), it would pay for this import as well.
+NEMO_IMPORT_SECONDS: float | None = None
+if CHILD_FLAG in sys.argv[1:] and CHILD_NEMO_FLAG in sys.argv[1:]:
+    _import_start = time.perf_counter()
+    import nemo.lightning  # noqa: F401
+
+    NEMO_IMPORT_SECONDS = time.perf_counter() - _import_start
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import functools  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import random  # noqa: E402
+import shutil  # noqa: E402
+import signal  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+from itertools import count  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Iterator  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(REPO)]  # bench_core, tests.support
+
+import torch  # noqa: E402
+
+from tests.support import megatron_cpu  # noqa: E402
+
+# Must run before megatron is imported: dist_checkpointing calls torch.cuda.current_device()
+# and torch.cuda.synchronize(), which a CPU-only torch refuses. A no-op when CUDA is present.
+MEGATRON_CPU_SHIM = not torch.cuda.is_available()
+megatron_cpu.install()
+
+import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from megatron.core import dist_checkpointing  # noqa: E402
+from megatron.core.dist_checkpointing.mapping import ShardedTensor  # noqa: E402
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue  # noqa: E402
+
+from bench_core import (  # noqa: E402
+    GIB,
+    LARGE_COLUMNS,
+    LARGE_DTYPES,
+    QUICK_SIZE_GIB,
+    SEED,
+    SMALL_DTYPES,
+    WARMUP_SAVES,
+    Bench,
+    Result,
+    TensorSpec,
+    build_state,
+    check_equal,
+    median_of_runs,
+    state_nbytes,
+    timed,
+    zero_,
+)
+from ml_flashpoint_nemo.core import CheckpointSaver, load_version  # noqa: E402
+from ml_flashpoint_nemo.core.manager import shutdown_manager, start_manager_warmup, wait_for_manager  # noqa: E402
+from ml_flashpoint_nemo.core.tuning import default_copy_threads  # noqa: E402
+from ml_flashpoint_nemo.dcp import MemoryStorageReader, MemoryStorageWriter  # noqa: E402
+from ml_flashpoint_nemo.megatron import FlashpointLoadStrategy, FlashpointSaveStrategy  # noqa: E402
+
+LARGE_TENSORS = 4
+SMALL_TENSORS = 500
+SMALL_SHARE = 0.10  # of the bytes, spread over the small tensors (each 0.5x-1.5x the mean)
+MIN_SMALL_BYTES = 64
+
+BLOCKING_BUDGET = 1.1  # async blocking time / staging copy time
+DCP_OVERHEAD_BUDGET = 0.10  # DCP seconds / core seconds - 1
+MANAGER_RETURN_BUDGET_S = 0.005
+CHILD_TIMEOUT_S = 240
+
+State = dict[str, torch.Tensor]
+Row = dict[str, Any]
+ROW_ORDER = ("staging_copy", "async_blocking", "dcp_save_vs_core", "dcp_load_vs_core",
+             "manager_warmup_return", "manager_ready_nemo", "manager_ready_bare")
+
+
+# ---------------------------------------------------------------- the state
+
+
+def plan_state(total_bytes: int, seed: int = SEED) -> list[TensorSpec]:
+    """A few large 2-D tensors (~90% of total_bytes), then ~500 small 1-D ones of several dtypes."""
+    rng = random.Random(seed)
+    small_mean = max(MIN_SMALL_BYTES, int(total_bytes * SMALL_SHARE / SMALL_TENSORS))
+    small = []
+    for i in range(SMALL_TENSORS):
+        dtype = rng.choice(SMALL_DTYPES)
+        numel = max(1, int(small_mean * rng.uniform(0.5, 1.5)) // dtype.itemsize)
+        small.append(TensorSpec(f"small.{i:03d}", dtype, (numel,)))
+    large_each = max(0, total_bytes - state_nbytes(small)) // LARGE_TENSORS
+    large = []
+    for j in range(LARGE_TENSORS):
+        dtype = LARGE_DTYPES[j % len(LARGE_DTYPES)]
+        rows = max(1, large_each // (LARGE_COLUMNS * dtype.itemsize))
+        large.append(TensorSpec(f"large.{j}", dtype, (rows, LARGE_COLUMNS)))
+    return large + small
+
+
+def sharded_state_dict(state: State) -> dict[str, ShardedTensor]:
+    """World size 1: every tensor is a whole, unsharded ShardedTensor (no sharding axes, main replica)."""
+    return {key: ShardedTensor.from_rank_offsets(key, tensor) for key, tensor in state.items()}
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def row(name: str, result: Result | None = None, **fields: Any) -> Row:
+    """One output line: the result's median and spread, then the given fields."""
+    out: Row = {"name": name}
+    if result is not None:
+        out.update(
+            seconds=round(result.seconds, 6), runs=len(result.samples),
+            min_seconds=round(min(result.samples), 6), max_seconds=round(max(result.samples), 6),
+        )
+        if result.nbytes:
+            out.update(gbps=round(result.gbps, 3), nbytes=result.nbytes)
+        out.update(result.extra)
+    out.update(fields)
+    return out
+
+
+def budget(value: float, target: float) -> Row:
+    return {"target": target, "meets_target": bool(value <= target)}
+
+
+def median(samples: list[float]) -> float:
+    return round(statistics.median(samples), 6)
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+@contextlib.contextmanager
+def gc_disabled() -> Iterator[None]:
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+@contextlib.contextmanager
+def recording_seconds(owner: type, method: str, samples: list[float]) -> Iterator[None]:
+    """While active, every call of owner.method appends its wall-clock seconds to samples."""
+    original = getattr(owner, method)
+
+    @functools.wraps(original)
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            samples.append(time.perf_counter() - start)
+
+    setattr(owner, method, recorded)
+    try:
+        yield
+    finally:
+        setattr(owner, method, original)
+
+
+@contextlib.contextmanager
+def single_process_group(workdir: Path) -> Iterator[None]:
+    """A gloo group of world size 1 over a FileStore in workdir (no TCP port to pick)."""
+    store = dist.FileStore(str(workdir / "gloo.store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- measurements
+
+
+def bench_staging_copy(bench: Bench, dest: State) -> tuple[Result, Result]:
+    """One torch copy_ per tensor into dest, whose pages exist and were written once."""
+
+    def copy() -> None:
+        for key, tensor in bench.state.items():
+            dest[key].copy_(tensor)
+
+    copy()
+    default = median_of_runs("staging_copy", timed(copy), bench.runs, bench.nbytes,
+                             threads=torch.get_num_threads(), tensors=len(bench.state))
+    with torch_threads(1):
+        single = median_of_runs("staging_copy_1thread", timed(copy), bench.runs, bench.nbytes, threads=1)
+    return default, single
+
+
+def staging_row(default: Result, single: Result) -> Row:
+    return row(
+        "staging_copy", default,
+        seconds_1thread=round(single.seconds, 6), gbps_1thread=round(single.gbps, 3),
+        min_seconds_1thread=round(min(single.samples), 6),
+        note="torch copy_ of every tensor into pre-allocated, touched host tensors; seconds with torch's "
+        "default threads, seconds_1thread with one",
+    )
+
+
+Parts = dict[str, list[float]]
+
+
+def new_parts() -> Parts:
+    return {"save": [], "schedule": [], "stage": [], "finalize": []}
+
+
+def bench_async_blocking(bench: Bench, dest: State) -> tuple[tuple[Result, Parts], tuple[Result, Parts]]:
+    """Megatron async save + AsyncCallsQueue scheduling, timed (the finalize is not); with Python's GC on, then off.
+
+    Each pass also returns the seconds of the parts of its saves. GC off is how trainers often
+    run (NeMo's GarbageCollectionCallback, Megatron's --manual-gc); with it on, a save may
+    trigger a full collection of every object the process holds.
+    """
+    base = bench.fresh_dir("megatron")
+    steps = count()
+    manager = start_manager_warmup()  # as trainer set-up does, off the critical path
+    strategy = FlashpointSaveStrategy(manager_future=manager)
+    queue = AsyncCallsQueue(persistent=False)
+
+    def blocking_save(parts: Parts) -> float:
+        sharded = sharded_state_dict(bench.state)
+        checkpoint_dir = base / f"step-{next(steps)}"
+        checkpoint_dir.mkdir(parents=True)
+        start = time.perf_counter()
+        with recording_seconds(CheckpointSaver, "stage_object", parts["stage"]):
+            request = dist_checkpointing.save(sharded, str(checkpoint_dir), sharded_strategy=strategy,
+                                              async_sharded_save=True)
+        saved = time.perf_counter()
+        queue.schedule_async_request(request)
+        scheduled = time.perf_counter()
+        queue.maybe_finalize_async_calls(blocking=True)
+        parts["save"].append(saved - start)
+        parts["schedule"].append(scheduled - saved)
+        parts["finalize"].append(time.perf_counter() - scheduled)
+        return scheduled - start
+
+    def timed_pass(name: str) -> tuple[Result, Parts]:
+        parts = new_parts()
+        return median_of_runs(name, functools.partial(blocking_save, parts), bench.runs, bench.nbytes), parts
+
+    try:
+        for _ in range(WARMUP_SAVES):  # the first waits for the Manager; both warm pool buffers and caches
+            blocking_save(new_parts())
+        gc_on = timed_pass("async_blocking")
+        with gc_disabled():
+            gc_off = timed_pass("async_blocking_gc_off")
+        zero_(dest)
+        loaded = dist_checkpointing.load(sharded_state_dict(dest), str(base / f"step-{next(steps) - 1}"),
+                                         sharded_strategy=FlashpointLoadStrategy())
+        check_equal(loaded, bench.state, "async_blocking (load of the last async save)")
+    except BaseException:
+        queue.close(abort=True)
+        raise
+    else:
+        queue.close()
+    finally:
+        shutdown_manager(manager)
+        shutil.rmtree(base, ignore_errors=True)
+    return gc_on, gc_off
+
+
+def blocking_row(gc_on: tuple[Result, Parts], gc_off: tuple[Result, Parts], staging: Result,
+                 staging_1thread: Result) -> Row:
+    """The budget is checked with GC on, against the faster of the two staging copies (the stricter reference).
+
+    With torch's default threads on a busy 2-core machine, copy_ can stall in OpenMP and take
+    many times longer than with one thread; the faster copy keeps such a stall from passing.
+    """
+    (result, parts), (result_gc_off, parts_gc_off) = gc_on, gc_off
+    reference, label = min((staging, "default_threads"), (staging_1thread, "1thread"), key=lambda r: r[0].seconds)
+    ratio = result.seconds / reference.seconds
+    return row(
+        "async_blocking", result,
+        **blocking_parts(result, parts),
+        staging_copy_seconds=round(staging.seconds, 6), staging_copy_1thread_seconds=round(staging_1thread.seconds, 6),
+        staging_reference=label, ratio_blocking_over_staging=round(ratio, 3),
+        ratio_blocking_over_staging_default_threads=round(result.seconds / staging.seconds, 3),
+        ratio_blocking_over_staging_1thread=round(result.seconds / staging_1thread.seconds, 3),
+        **budget(ratio, BLOCKING_BUDGET),
+        gc_off_seconds=round(result_gc_off.seconds, 6), gc_off_max_seconds=round(max(result_gc_off.samples), 6),
+        gc_off_ratio_blocking_over_staging=round(result_gc_off.seconds / reference.seconds, 3),
+        **{f"gc_off_{k}": v for k, v in blocking_parts(result_gc_off, parts_gc_off).items()},
+        copy_threads=default_copy_threads(), warmup_saves=WARMUP_SAVES, megatron_cpu_shim=MEGATRON_CPU_SHIM,
+        note="seconds = dist_checkpointing.save(async_sharded_save=True) + AsyncCallsQueue(persistent=False)"
+        ".schedule_async_request (forks the worker); stage_copy_seconds = CheckpointSaver.stage_object inside "
+        "it; finalize (maybe_finalize_async_calls(blocking=True)) untimed; ratio against the faster staging copy; "
+        "gc_off_* = the same with Python's GC disabled. "
+        + ("CPU-only torch: tests/support/megatron_cpu.install() shims torch.cuda.synchronize/current_device"
+           if MEGATRON_CPU_SHIM else "CUDA present: no shim"),
+    )
+
+
+def blocking_parts(result: Result, parts: Parts) -> Row:
+    return {
+        "save_seconds": median(parts["save"]), "schedule_seconds": median(parts["schedule"]),
+        "stage_copy_seconds": median(parts["stage"]),
+        "non_copy_seconds": median([total - stage for total, stage in zip(result.samples, parts["stage"])]),
+        "finalize_seconds": median(parts["finalize"]),
+    }
+
+
+def bench_dcp_vs_core(bench: Bench, dest: State) -> list[Row]:
+    dcp_base, core_base = bench.fresh_dir("dcp"), bench.fresh_dir("core")
+    dcp_steps, core_steps = count(), count()
+    writer = MemoryStorageWriter(dcp_base)  # reused for every save, as a job would
+    try:
+        with CheckpointSaver(core_base) as saver:
+
+            def dcp_save() -> None:
+                dcp.save(bench.state, checkpoint_id=f"{dcp_base}/step-{next(dcp_steps)}", storage_writer=writer)
+
+            def core_save() -> None:
+                saver.save(next(core_steps), bench.state)
+
+            for _ in range(WARMUP_SAVES):
+                dcp_save()
+                core_save()
+            saves = (median_of_runs("dcp_save", timed(dcp_save), bench.runs, bench.nbytes),
+                     median_of_runs("core_save", timed(core_save), bench.runs, bench.nbytes))
+            dcp_last, core_last = next(dcp_steps) - 1, next(core_steps) - 1
+
+            def dcp_load() -> None:
+                dcp.load(dest, checkpoint_id=f"{dcp_base}/step-{dcp_last}",
+                         storage_reader=MemoryStorageReader(dcp_base))
+
+            loads = (median_of_runs("dcp_load", timed(dcp_load, setup=lambda: zero_(dest)), bench.runs,
+                                    bench.nbytes),)
+            check_equal(dest, bench.state, "dcp_load")
+            core_load = functools.partial(load_version, core_base, core_last, into=dest)
+            loads += (median_of_runs("core_load", timed(core_load, setup=lambda: zero_(dest)), bench.runs,
+                                     bench.nbytes),)
+            check_equal(dest, bench.state, "core load_version")
+    finally:
+        writer.close()
+        shutil.rmtree(dcp_base, ignore_errors=True)
+        shutil.rmtree(core_base, ignore_errors=True)
+    return [
+        comparison_row("dcp_save_vs_core", *saves, warmup_saves=WARMUP_SAVES,
+                       note="dcp.save(MemoryStorageWriter reused) vs CheckpointSaver.save; checksums on, keep=1"),
+        comparison_row("dcp_load_vs_core", *loads,
+                       note="dcp.load(MemoryStorageReader) vs load_version, into pre-allocated touched tensors"),
+    ]
+
+
+def comparison_row(name: str, dcp_result: Result, core_result: Result, **fields: Any) -> Row:
+    overhead = dcp_result.seconds / core_result.seconds - 1
+    return row(
+        name,
+        dcp_seconds=round(dcp_result.seconds, 6), core_seconds=round(core_result.seconds, 6),
+        dcp_gbps=round(dcp_result.gbps, 3), core_gbps=round(core_result.gbps, 3),
+        dcp_min_seconds=round(min(dcp_result.samples), 6), core_min_seconds=round(min(core_result.samples), 6),
+        overhead=round(overhead, 4), **budget(overhead, DCP_OVERHEAD_BUDGET),
+        runs=len(dcp_result.samples), nbytes=dcp_result.nbytes, **fields,
+    )
+
+
+def bench_manager_return(runs: int) -> Row:
+    """start_manager_warmup() in this process: time to return; then wait until ready and close."""
+    ready: list[float] = []
+
+    def run_once() -> float:
+        start = time.perf_counter()
+        future = start_manager_warmup()
+        returned = time.perf_counter() - start
+        try:
+            wait_for_manager(future, what="bench_adapters")
+            ready.append(time.perf_counter() - start)
+        finally:
+            future.close()
+        return returned
+
+    result = median_of_runs("manager_warmup_return", run_once, runs, 0)
+    return row("manager_warmup_return", result, ready_seconds=median(ready),
+               **budget(result.seconds, MANAGER_RETURN_BUDGET_S),
+               process="this benchmark (torch and megatron.core imported, no NeMo)")
+
+
+def bench_manager_child(import_nemo: bool, runs: int) -> Row:
+    """A fresh interpreter runs this script as its main module and times `runs` warm-ups there."""
+    name = "manager_ready_nemo" if import_nemo else "manager_ready_bare"
+    report = _run_child(import_nemo, runs)
+    # The child measured the samples; the shared helper takes their median.
+    result = median_of_runs(name, iter(report["return_seconds"]).__next__, runs, 0)
+    return row(
+        name, result,
+        return_seconds=round(result.seconds, 6), return_first_seconds=round(report["return_seconds"][0], 6),
+        ready_seconds=median(report["ready_seconds"]), ready_first_seconds=round(report["ready_seconds"][0], 6),
+        nemo_import_seconds=report["nemo_import_seconds"],
+        **budget(result.seconds, MANAGER_RETURN_BUDGET_S),
+        main_module_imports="nemo.lightning first, then torch and megatron.core" if import_nemo
+        else "torch and megatron.core, no NeMo",
+        note="child interpreter running this script as __main__; return = start_manager_warmup() returned, "
+        "ready = wait_for_manager() returned (both from the call); medians of the child's runs, *_first = its "
+        "first Manager",
+    )
+
+
+def _run_child(import_nemo: bool, runs: int) -> dict[str, Any]:
+    command = [sys.executable, str(Path(__file__).resolve()), CHILD_FLAG, "--runs", str(runs)]
+    completed = subprocess.run(command + ([CHILD_NEMO_FLAG] if import_nemo else []),
+                               capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+    if completed.returncode != 0:
+        raise RuntimeError(f"manager child failed ({completed.returncode}):\n{completed.stderr[-4000:]}")
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def child_manager(runs: int) -> None:
+    """In the child: time start_manager_warmup() and the wait for its Manager, `runs` times; print one JSON line."""
+    returned: list[float] = []
+    ready: list[float] = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        future = start_manager_warmup()
+        returned.append(time.perf_counter() - start)
+        try:
+            wait_for_manager(future, what="bench_adapters child")
+            ready.append(time.perf_counter() - start)
+        finally:
+            future.close()
+    print(json.dumps({"return_seconds": returned, "ready_seconds": ready, "nemo_import_seconds": NEMO_IMPORT_SECONDS}))
+
+
+# ---------------------------------------------------------------- driver
+
+
+def run_all(args: argparse.Namespace, workdir: Path) -> list[Row]:
+    specs = plan_state(int(args.size_gib * GIB))
+    print(f"state: {len(specs)} tensors, {state_nbytes(specs) / 1e9:.3f} GB; {args.runs} runs each; "
+          f"torch threads {torch.get_num_threads()}, copy threads {default_copy_threads()}; in {workdir}; "
+          f"megatron CPU shim {'installed' if MEGATRON_CPU_SHIM else 'not needed'}", file=sys.stderr, flush=True)
+    # First, while this process holds no state: the children have the machine to themselves.
+    rows = [bench_manager_return(args.runs), bench_manager_child(True, args.runs),
+            bench_manager_child(False, args.runs)]
+    bench = Bench(build_state(specs), workdir, args.runs, default_copy_threads())
+    dest = {key: torch.zeros_like(tensor) for key, tensor in bench.state.items()}
+    with single_process_group(workdir):
+        staging, staging_1thread = bench_staging_copy(bench, dest)
+        rows.append(staging_row(staging, staging_1thread))
+        rows.append(blocking_row(*bench_async_blocking(bench, dest), staging, staging_1thread))
+        rows += bench_dcp_vs_core(bench, dest)
+    return sorted(rows, key=lambda r: ROW_ORDER.index(r["name"]))
+
+
+def print_rows(rows: list[Row], as_json: bool) -> None:
+    if as_json:
+        for r in rows:
+            print(json.dumps(r))
+        return
+    for r in rows:
+        verdict = "" if "meets_target" not in r else f"  [{'ok' if r['meets_target'] else 'MISSED'} <= {r['target']}]"
+        fields = ", ".join(f"{k}={v}" for k, v in r.items() if k not in ("name", "note", "target", "meets_target"))
+        print(f"{r['name']:<22} {fields}{verdict}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size-gib", type=float, default=0.5, help="total tensor bytes of the state (default 0.5)")
+    parser.add_argument("--runs", type=int, default=5, help="runs per measurement; the median is reported")
+    parser.add_argument("--base-dir", type=Path, default=None,
+                        help="where to write; a fresh directory inside it is used and removed "
+                        "(default: a fresh directory under /dev/shm)")
+    parser.add_argument("--json", action="store_true", help="one JSON object per line")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"smoke run: {QUICK_SIZE_GIB} GiB, 1 run (overrides --size-gib and --runs)")
+    parser.add_argument(CHILD_FLAG, action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(CHILD_NEMO_FLAG, action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.size_gib, args.runs = QUICK_SIZE_GIB, 1
+    if args.runs < 1 or args.size_gib <= 0:
+        parser.error("--runs and --size-gib must be positive")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child_manager:
+        child_manager(args.runs)
+        return 0
+    # SIGTERM unwinds like Ctrl-C, so the finally below removes what was written to RAM.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    parent = args.base_dir or Path("/dev/shm")
+    parent.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="flashpoint-bench-adapters-", dir=parent))
+    try:
+        rows = run_all(args, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    print_rows(rows, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
