@@ -35,8 +35,9 @@ struct RangeOp {
   uint64_t nbytes;
 };
 
+// streaming=false makes plain memcpy copies (no non-temporal stores): the benchmarks' reference.
 std::vector<uint32_t> copy_into_buffer(ShmBuffer& buffer, const std::vector<MemToBufferOp>& ops, bool checksum,
-                                       int threads);
+                                       int threads, bool streaming = true);
 
 std::vector<uint32_t> read_file_into(int fd, const std::vector<FileToMemOp>& ops, bool checksum, int threads);
 
