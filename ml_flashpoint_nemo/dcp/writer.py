@@ -13,7 +13,6 @@ import logging
 import os
 import pickle
 import uuid
-from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -44,6 +43,10 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
 
     Use checkpoint_id=<base_dir>/step-<N>. `keep` committed versions are kept; the
     writer may be reused for every save of a job (its buffers are reused too).
+
+    DCP's process executor runs write_data and finish in the same background process,
+    so no result has to cross processes here and no Manager is needed; the Megatron
+    strategy, whose worker and finalize run in different processes, uses one.
     """
 
     _synchronize_after_execute = False
@@ -55,14 +58,12 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         keep: int = 1,
         checksum: bool = True,
         threads: int | None = None,
-        manager_future: "Future[Any] | None" = None,
     ) -> None:
         super().__init__()
         self.layout = CheckpointLayout(base_dir)
         self.keep = keep
         self.checksum = checksum
         self.threads = threads
-        self.manager_future = manager_future
         self.step: int | None = None
         self.checkpoint_id: str | None = None
         self.save_id = uuid.uuid4().hex
@@ -77,7 +78,6 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         state = self.__dict__.copy()
         state["_saver"] = None  # buffers and the pool lock belong to the process that made them
         state["_staging"] = None
-        state["manager_future"] = None  # a Future and its Manager cannot cross processes
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
