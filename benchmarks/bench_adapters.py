@@ -56,10 +56,8 @@ import gc  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
 import shutil  # noqa: E402
-import signal  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
-import tempfile  # noqa: E402
 from itertools import count  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, Iterator  # noqa: E402
@@ -83,6 +81,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor  # noqa: E402
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue  # noqa: E402
 
 from bench_core import (  # noqa: E402
+    in_fresh_workdir,
     GIB,
     LARGE_COLUMNS,
     LARGE_DTYPES,
@@ -534,16 +533,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.child_manager:
         child_manager(args.runs)
         return 0
-    # SIGTERM unwinds like Ctrl-C, so the finally below removes what was written to RAM.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    parent = args.base_dir or Path("/dev/shm")
-    parent.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix="flashpoint-bench-adapters-", dir=parent))
-    try:
-        rows = run_all(args, workdir)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-    print_rows(rows, args.json)
+    print_rows(in_fresh_workdir(args.base_dir, "flashpoint-bench-adapters-", lambda workdir: run_all(args, workdir)),
+               args.json)
     return 0
 
 

@@ -438,17 +438,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.child_save_first:
         child_save_first(args.base_dir, args.size_gib, args.threads)
         return 0
-    # SIGTERM unwinds like Ctrl-C, so the finally below removes what was written to RAM.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    parent = args.base_dir or Path("/dev/shm")
+    print_results(in_fresh_workdir(args.base_dir, "flashpoint-bench-", lambda workdir: run_all(args, workdir)),
+                  args.json)
+    return 0
+
+
+def in_fresh_workdir(base_dir: Path | None, prefix: str, run: Callable[[Path], Any]) -> Any:
+    """Run in a new directory under base_dir (default /dev/shm), removed afterwards, even on SIGTERM."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # unwinds like Ctrl-C
+    parent = base_dir or Path("/dev/shm")
     parent.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix="flashpoint-bench-", dir=parent))
+    workdir = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
     try:
-        results = run_all(args, workdir)
+        return run(workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    print_results(results, args.json)
-    return 0
 
 
 if __name__ == "__main__":

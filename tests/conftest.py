@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
 import uuid
 from pathlib import Path
 from typing import Iterator
 
 import pytest
+
+from tests.support.tmpfs import mounted_tmpfs
 
 SHM = Path("/dev/shm")
 
@@ -21,16 +22,14 @@ def base_dir() -> Iterator[Path]:
 
 
 @pytest.fixture
+def shm_dir(base_dir: Path) -> Path:
+    """Like base_dir, but already created."""
+    base_dir.mkdir()
+    return base_dir
+
+
+@pytest.fixture
 def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A real 16 MiB tmpfs, so that ENOSPC is the kernel's own answer. Needs root (CI runs as root)."""
-    mount_point = tmp_path / "small-tmpfs"
-    mount_point.mkdir()
-    result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount_point)], capture_output=True, text=True
-    )
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here ({result.stderr.strip()}); needs root")
-    try:
+    """A real 16 MiB tmpfs. Needs root (CI runs as root); skipped otherwise."""
+    with mounted_tmpfs(tmp_path / "small-tmpfs", "16m") as mount_point:
         yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=False)

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 from ml_flashpoint_nemo import _core
 from ml_flashpoint_nemo._core import ShmBuffer
+from tests.support.tmpfs import mounted_tmpfs
 
 PAGE = _core.page_size()
 MiB = 1 << 20
@@ -37,31 +38,10 @@ PIECE = 4 * MiB  # the copy engine splits operations into pieces this big
 
 
 @pytest.fixture
-def shm_dir() -> Iterator[Path]:
-    path = Path("/dev/shm") / f"flashpoint-core-test-{uuid.uuid4().hex[:12]}"
-    path.mkdir()
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
 def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A real 8 MiB tmpfs, so that ENOSPC is the kernel's own answer. Mounting needs root."""
-    mount_point = tmp_path / "tiny-tmpfs"
-    mount_point.mkdir()
-    try:
-        result = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount_point)], capture_output=True, text=True
-        )
-    except FileNotFoundError:
-        pytest.skip("no mount command here; the ENOSPC tests need a real 8 MiB tmpfs")
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount an 8 MiB tmpfs here (needs root): {result.stderr.strip() or result.returncode}")
-    try:
+    with mounted_tmpfs(tmp_path / "tiny-tmpfs", "8m") as mount_point:
         yield mount_point
-    finally:
-        if subprocess.run(["umount", str(mount_point)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mount_point)], check=False, capture_output=True)
 
 
 def crc32c_bitwise(data: bytes, crc: int = 0) -> int:
