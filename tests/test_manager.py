@@ -51,7 +51,7 @@ def _gone(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/status") as status:
             return any(line.startswith("State:") and "Z" in line.split()[1] for line in status)
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # reaped between open() and read()
         return True
 
 
