@@ -260,7 +260,9 @@ def new_parts() -> Parts:
     return {"save": [], "schedule": [], "stage": [], "finalize": []}
 
 
-def bench_async_blocking(bench: Bench, dest: State) -> tuple[tuple[Result, Parts], tuple[Result, Parts]]:
+def bench_async_blocking(
+    bench: Bench, dest: State, *, persistent: bool = False, validate_once: bool = False
+) -> tuple[tuple[Result, Parts], tuple[Result, Parts]]:
     """Megatron async save + AsyncCallsQueue scheduling, timed (the finalize is not); with Python's GC on, then off.
 
     Each pass also returns the seconds of the parts of its saves. GC off is how trainers often
@@ -271,7 +273,8 @@ def bench_async_blocking(bench: Bench, dest: State) -> tuple[tuple[Result, Parts
     steps = count()
     manager = start_manager_warmup()  # as trainer set-up does, off the critical path
     strategy = FlashpointSaveStrategy(manager_future=manager)
-    queue = AsyncCallsQueue(persistent=False)
+    queue = AsyncCallsQueue(persistent=persistent)
+    saves = count()
 
     def blocking_save(parts: Parts) -> float:
         sharded = sharded_state_dict(bench.state)
@@ -279,8 +282,10 @@ def bench_async_blocking(bench: Bench, dest: State) -> tuple[tuple[Result, Parts
         checkpoint_dir.mkdir(parents=True)
         start = time.perf_counter()
         with recording_seconds(CheckpointSaver, "stage_object", parts["stage"]):
+            # validate_once: Megatron's sharding-integrity check (a gather) on the first save only
             request = dist_checkpointing.save(sharded, str(checkpoint_dir), sharded_strategy=strategy,
-                                              async_sharded_save=True)
+                                              async_sharded_save=True,
+                                              validate_access_integrity=not validate_once or next(saves) == 0)
         saved = time.perf_counter()
         queue.schedule_async_request(request)
         scheduled = time.perf_counter()
@@ -316,7 +321,7 @@ def bench_async_blocking(bench: Bench, dest: State) -> tuple[tuple[Result, Parts
 
 
 def blocking_row(gc_on: tuple[Result, Parts], gc_off: tuple[Result, Parts], staging: Result,
-                 staging_1thread: Result) -> Row:
+                 staging_1thread: Result, *, persistent: bool, validate_once: bool) -> Row:
     """The budget is checked with GC on, against the faster of the two staging copies (the stricter reference).
 
     With torch's default threads on a busy 2-core machine, copy_ can stall in OpenMP and take
@@ -337,8 +342,9 @@ def blocking_row(gc_on: tuple[Result, Parts], gc_off: tuple[Result, Parts], stag
         gc_off_ratio_blocking_over_staging=round(result_gc_off.seconds / reference.seconds, 3),
         **{f"gc_off_{k}": v for k, v in blocking_parts(result_gc_off, parts_gc_off).items()},
         copy_threads=default_copy_threads(), warmup_saves=WARMUP_SAVES, megatron_cpu_shim=MEGATRON_CPU_SHIM,
-        note="seconds = dist_checkpointing.save(async_sharded_save=True) + AsyncCallsQueue(persistent=False)"
-        ".schedule_async_request (forks the worker); stage_copy_seconds = CheckpointSaver.stage_object inside "
+        persistent_worker=persistent, validate_access_integrity="first save only" if validate_once else "every save",
+        note=f"seconds = dist_checkpointing.save(async_sharded_save=True) + AsyncCallsQueue(persistent={persistent})"
+        ".schedule_async_request; stage_copy_seconds = CheckpointSaver.stage_object inside "
         "it; finalize (maybe_finalize_async_calls(blocking=True)) untimed; ratio against the faster staging copy; "
         "gc_off_* = the same with Python's GC disabled. "
         + ("CPU-only torch: tests/support/megatron_cpu.install() shims torch.cuda.synchronize/current_device"
@@ -492,7 +498,9 @@ def run_all(args: argparse.Namespace, workdir: Path) -> list[Row]:
     with single_process_group(workdir):
         staging, staging_1thread = bench_staging_copy(bench, dest)
         rows.append(staging_row(staging, staging_1thread))
-        rows.append(blocking_row(*bench_async_blocking(bench, dest), staging, staging_1thread))
+        blocking = bench_async_blocking(bench, dest, persistent=args.persistent_worker, validate_once=args.validate_once)
+        rows.append(blocking_row(*blocking, staging, staging_1thread,
+                                 persistent=args.persistent_worker, validate_once=args.validate_once))
         rows += bench_dcp_vs_core(bench, dest)
     return sorted(rows, key=lambda r: ROW_ORDER.index(r["name"]))
 
@@ -512,6 +520,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-gib", type=float, default=0.5, help="total tensor bytes of the state (default 0.5)")
     parser.add_argument("--runs", type=int, default=5, help="runs per measurement; the median is reported")
+    parser.add_argument("--persistent-worker", action="store_true",
+                        help="async saves through Megatron's persistent worker instead of a fork per save")
+    parser.add_argument("--validate-once", action="store_true",
+                        help="Megatron's sharding-integrity check on the first save only (as NeMo does)")
     parser.add_argument("--base-dir", type=Path, default=None,
                         help="where to write; a fresh directory inside it is used and removed "
                         "(default: a fresh directory under /dev/shm)")
