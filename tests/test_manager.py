@@ -227,3 +227,22 @@ def test_manager_dies_with_its_sigkilled_parent(mode: str) -> None:
             parent.wait(timeout=10)
         if manager_pid is not None and not _gone(manager_pid):
             os.kill(manager_pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize(
+    "script, unguarded",
+    [
+        ('"""Docs quoting `if __name__ == "__main__":` do not count."""\nimport sys\nx = 1\n', True),
+        ('def main():\n    pass\n\nif __name__ == "__main__":\n    main()\n', False),
+        ("if '__main__' == __name__:\n    pass\n", False),
+        ('if __name__ != "__main__":\n    pass\n', True),
+    ],
+)
+def test_unguarded_main_scripts_are_recognised(tmp_path: Path, script: str, unguarded: bool) -> None:
+    path = tmp_path / "train.py"
+    path.write_text(script + "\nfrom ml_flashpoint_nemo.core.manager import unguarded_main_script\n"
+                    "print('RESULT', unguarded_main_script())\n")
+    result = subprocess.run([sys.executable, str(path)], cwd=REPO, capture_output=True, text=True,
+                            timeout=SUBPROCESS_TIMEOUT_S, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert result.returncode == 0, result.stderr
+    assert f"RESULT {path if unguarded else None}" in result.stdout

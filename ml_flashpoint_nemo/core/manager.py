@@ -21,6 +21,7 @@ writer (DESIGN.md section 3):
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import ctypes
 import functools
@@ -240,6 +241,36 @@ def start_manager_warmup(
     future = ManagerFuture(_resolve_timeout(timeout))
     future._begin(_server_hook)
     return future
+
+
+def unguarded_main_script() -> str | None:
+    """The main script's path if its top level has no ``if __name__ == "__main__":`` block, else None.
+
+    Processes that other libraries spawn (Megatron's persistent async worker, DataLoader
+    workers) re-run such a script's training code and hang; our own Manager is protected,
+    theirs are not, so callers warn about it up front.
+    """
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not path or not str(path).endswith(".py"):
+        return None  # interactive, -c, or a frozen entry point: nothing is re-run
+    try:
+        tree = ast.parse(open(path, encoding="utf-8").read(), filename=str(path))
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for node in tree.body:
+        if isinstance(node, ast.If) and _is_main_guard(node.test):
+            return None
+    return str(path)
+
+
+def _is_main_guard(test: ast.expr) -> bool:
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+        return False
+    sides = [test.left, test.comparators[0]]
+    names = [s for s in sides if isinstance(s, ast.Name) and s.id == "__name__"]
+    values = [s for s in sides if isinstance(s, ast.Constant) and s.value == "__main__"]
+    return len(names) == 1 and len(values) == 1
 
 
 def wait_for_manager(

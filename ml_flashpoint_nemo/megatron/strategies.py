@@ -16,6 +16,7 @@ complete for dist_checkpointing.load.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue as queue_module
@@ -56,7 +57,13 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
-from ml_flashpoint_nemo.core.manager import ManagerFuture, shutdown_manager, start_manager_warmup, wait_for_manager
+from ml_flashpoint_nemo.core.manager import (
+    ManagerFuture,
+    shutdown_manager,
+    start_manager_warmup,
+    unguarded_main_script,
+    wait_for_manager,
+)
 from ml_flashpoint_nemo.core.saver import SealJob, StagedObject, seal_object
 from ml_flashpoint_nemo.core.tuning import default_copy_threads
 from ml_flashpoint_nemo.core.versions import delete_superseded
@@ -148,6 +155,7 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         self.threads = threads or default_copy_threads()
         self.manager_future = manager_future
         self._report_queue: Any = None
+        _warn_if_main_unguarded()
         self._signature: int | None = None
         self._cached_plans: tuple[Any, Any, bool] | None = None
         self._cached_metadata: Metadata | None = None
@@ -223,6 +231,17 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
             shutdown_manager(self.manager_future)
             self.manager_future = None
             self._report_queue = None
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_if_main_unguarded() -> None:
+    script = unguarded_main_script()
+    if script:
+        logger.warning(
+            "%s has no `if __name__ == \"__main__\":` block. Megatron's persistent async-save worker (and any "
+            "other spawned process) re-runs its top level and hangs; put the training code under that guard.",
+            script,
+        )
 
 
 def _describe(value: Any) -> tuple:
