@@ -81,11 +81,12 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor  # noqa: E402
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue  # noqa: E402
 
 from bench_core import (  # noqa: E402
+    common_arguments,
+    finish_common_arguments,
     in_fresh_workdir,
     GIB,
     LARGE_COLUMNS,
     LARGE_DTYPES,
-    QUICK_SIZE_GIB,
     SEED,
     SMALL_DTYPES,
     WARMUP_SAVES,
@@ -517,27 +518,14 @@ def print_rows(rows: list[Row], as_json: bool) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size-gib", type=float, default=0.5, help="total tensor bytes of the state (default 0.5)")
-    parser.add_argument("--runs", type=int, default=5, help="runs per measurement; the median is reported")
+    parser = common_arguments(__doc__.split("\n\n")[0], 0.5)
     parser.add_argument("--persistent-worker", action="store_true",
                         help="async saves through Megatron's persistent worker instead of a fork per save")
     parser.add_argument("--validate-once", action="store_true",
                         help="Megatron's sharding-integrity check on the first save only (as NeMo does)")
-    parser.add_argument("--base-dir", type=Path, default=None,
-                        help="where to write; a fresh directory inside it is used and removed "
-                        "(default: a fresh directory under /dev/shm)")
-    parser.add_argument("--json", action="store_true", help="one JSON object per line")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"smoke run: {QUICK_SIZE_GIB} GiB, 1 run (overrides --size-gib and --runs)")
     parser.add_argument(CHILD_FLAG, action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(CHILD_NEMO_FLAG, action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.size_gib, args.runs = QUICK_SIZE_GIB, 1
-    if args.runs < 1 or args.size_gib <= 0:
-        parser.error("--runs and --size-gib must be positive")
-    return args
+    return finish_common_arguments(parser, parser.parse_args(argv))
 
 
 def main(argv: list[str] | None = None) -> int:

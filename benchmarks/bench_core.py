@@ -412,24 +412,37 @@ def print_results(results: list[Result], as_json: bool) -> None:
               f"{row['seconds']:>9.4f} {row['runs']:>5}  {notes}")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size-gib", type=float, default=1.0, help="total tensor bytes of the state (default 1)")
+def common_arguments(description: str, default_size_gib: float) -> argparse.ArgumentParser:
+    """The options every benchmark script takes: size, runs, where to write, output form."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--size-gib", type=float, default=default_size_gib,
+                        help="total tensor bytes of the state (default %(default)s)")
     parser.add_argument("--runs", type=int, default=5, help="runs per measurement; the median is reported")
-    parser.add_argument("--threads", type=int, default=default_copy_threads(),
-                        help="copy threads for our save and load (default: %(default)s)")
     parser.add_argument("--base-dir", type=Path, default=None,
                         help="where to write; a fresh directory inside it is used and removed "
                         "(default: a fresh directory under /dev/shm)")
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
     parser.add_argument("--quick", action="store_true",
                         help=f"smoke run: {QUICK_SIZE_GIB} GiB, 1 run (overrides --size-gib and --runs)")
-    parser.add_argument(CHILD_FLAG, action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def finish_common_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
     if args.quick:
         args.size_gib, args.runs = QUICK_SIZE_GIB, 1
-    if args.runs < 1 or args.size_gib <= 0 or args.threads < 1:
-        parser.error("--runs, --size-gib and --threads must be positive")
+    if args.runs < 1 or args.size_gib <= 0:
+        parser.error("--runs and --size-gib must be positive")
+    return args
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = common_arguments(__doc__.split("\n\n")[0], 1.0)
+    parser.add_argument("--threads", type=int, default=default_copy_threads(),
+                        help="copy threads for our save and load (default: %(default)s)")
+    parser.add_argument(CHILD_FLAG, action="store_true", help=argparse.SUPPRESS)
+    args = finish_common_arguments(parser, parser.parse_args(argv))
+    if args.threads < 1:
+        parser.error("--threads must be positive")
     return args
 
 

@@ -104,6 +104,9 @@ inline uint32_t shift_one_lane(uint32_t crc) {
          t.lane_shift[2][(crc >> 16) & 0xFF] ^ t.lane_shift[3][crc >> 24];
 }
 
+// CRC of lanes A||B||C (each kLane bytes) from their three raw registers.
+inline uint32_t combine_lanes(uint32_t a, uint32_t b, uint32_t c) { return shift_one_lane(shift_one_lane(a) ^ b) ^ c; }
+
 #if FLASHPOINT_X86
 __attribute__((target("sse4.2"))) uint32_t crc_raw_sse42(uint32_t crc, const uint8_t* p, size_t n) {
   while (n && (reinterpret_cast<uintptr_t>(p) & 7)) {
@@ -124,8 +127,7 @@ __attribute__((target("sse4.2"))) uint32_t crc_raw_sse42(uint32_t crc, const uin
       b = _mm_crc32_u64(b, wb);
       c = _mm_crc32_u64(c, wc);
     }
-    crc = shift_one_lane(shift_one_lane(static_cast<uint32_t>(a)) ^ static_cast<uint32_t>(b)) ^
-          static_cast<uint32_t>(c);
+    crc = combine_lanes(static_cast<uint32_t>(a), static_cast<uint32_t>(b), static_cast<uint32_t>(c));
     p += 3 * kLane;
     n -= 3 * kLane;
   }
@@ -182,8 +184,7 @@ __attribute__((target("sse4.2,avx2"))) uint32_t copy_crc_lanes_nt(uint8_t* dst, 
       _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + kLane + i), vb);
       _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 2 * kLane + i), vc);
     }
-    crc = shift_one_lane(shift_one_lane(static_cast<uint32_t>(a)) ^ static_cast<uint32_t>(b)) ^
-          static_cast<uint32_t>(c);
+    crc = combine_lanes(static_cast<uint32_t>(a), static_cast<uint32_t>(b), static_cast<uint32_t>(c));
   }
   return crc;
 }
@@ -212,7 +213,7 @@ __attribute__((target("+crc"))) uint32_t crc_raw_armv8(uint32_t crc, const uint8
       b = __crc32cd(b, wb);
       c = __crc32cd(c, wc);
     }
-    crc = shift_one_lane(shift_one_lane(a) ^ b) ^ c;
+    crc = combine_lanes(a, b, c);
     p += 3 * kLane;
     n -= 3 * kLane;
   }

@@ -5,9 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
-from ml_flashpoint_nemo.core import committed_steps, verify_version
+from ml_flashpoint_nemo.core import CheckpointSaver, committed_steps, verify_version
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
+from ml_flashpoint_nemo.dcp import MemoryStorageReader, MemoryStorageWriter
+from ml_flashpoint_nemo.errors import BaseDirError, CorruptCheckpointError
 from tests.support.multiproc import run_world
 
 
@@ -62,3 +65,19 @@ def test_failed_write_fails_every_rank_and_keeps_previous_version(small_tmpfs):
     assert all("SAVE FAILED" in out for out in outputs), outputs
     assert any("no space left" in out or "OutOfSpaceError" in out for out in outputs), outputs
     assert committed_steps(CheckpointLayout(base)) == [1]
+
+
+def test_reader_refuses_versions_not_saved_through_dcp_and_foreign_paths(base_dir, tmp_path):
+    """Single-process checks of the reader's and writer's refusals (no process group needed)."""
+    with CheckpointSaver(base_dir) as saver:
+        saver.save(1, {"w": torch.ones(2)})
+    reader = MemoryStorageReader(base_dir)
+    reader.reset(base_dir / "step-1")
+    with pytest.raises(CorruptCheckpointError, match="not saved through DCP"):
+        reader.read_metadata()
+    with pytest.raises(BaseDirError, match="step-<N>"):
+        reader.reset(tmp_path / "step-1")  # right name, other directory
+    with pytest.raises(BaseDirError, match="step-<N>"):
+        MemoryStorageWriter(base_dir).reset(base_dir / "latest")
+    with pytest.raises(BaseDirError, match="needs checkpoint_id"):
+        MemoryStorageWriter(base_dir).reset(None)

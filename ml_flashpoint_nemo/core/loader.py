@@ -21,7 +21,7 @@ from ml_flashpoint_nemo import _core
 from ml_flashpoint_nemo.core.format import HEADER_NBYTES, IndexEntry, ObjectHeader, ObjectRecord, decode_index
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.tuning import default_copy_threads
-from ml_flashpoint_nemo.core.values import BytesLike, dtype_from_name
+from ml_flashpoint_nemo.core.values import BytesLike, dtype_from_name, dtype_name
 from ml_flashpoint_nemo.core.versions import committed_steps, read_commit
 from ml_flashpoint_nemo.errors import (
     ChecksumError,
@@ -107,14 +107,10 @@ def _check_destination(entry: IndexEntry, destination: Any, path: str) -> None:
     shape, dtype = _expected_shape_and_dtype(entry)
     if destination.shape != shape or destination.dtype != dtype:
         raise LoadMismatchError(
-            f"key {entry.key!r}: stored {dtype_name_of(dtype)}{list(shape)} but the destination is "
-            f"{dtype_name_of(destination.dtype)}{list(destination.shape)}. The model or its parallel layout "
+            f"key {entry.key!r}: stored {dtype_name(dtype)}{list(shape)} but the destination is "
+            f"{dtype_name(destination.dtype)}{list(destination.shape)}. The model or its parallel layout "
             "differs from the one that saved this checkpoint."
         )
-
-
-def dtype_name_of(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def read_object(

@@ -71,10 +71,6 @@ class CudaHostRegistry:
         if entry is not None:
             self._cudart.cudaHostUnregister(entry[0])
 
-    def is_registered(self, buffer: _Registrable) -> bool:
-        with self._lock:
-            return id(buffer) in self._registered
-
 
 def _cuda_runtime() -> Any | None:
     if os.environ.get("FLASHPOINT_PIN_BUFFERS", "1") == "0":

@@ -105,11 +105,6 @@ class BufferPool:
     def closed(self) -> bool:
         return self._closed
 
-    @property
-    def free_bytes(self) -> int:
-        with self._mutex:
-            return sum(b.size for b in self._free)
-
     def start_warmup(self, nbytes: int | None = None, count: int = 1) -> Future[None]:
         """In a background thread, make `count` free buffers of at least nbytes and fault in every free buffer.
 

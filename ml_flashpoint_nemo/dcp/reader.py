@@ -24,6 +24,7 @@ from ml_flashpoint_nemo import _core
 from ml_flashpoint_nemo.core.format import CommitRecord, IndexEntry
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.loader import open_object, read_object
+from ml_flashpoint_nemo.core.values import dtype_name
 from ml_flashpoint_nemo.core.versions import committed_steps, read_commit
 from ml_flashpoint_nemo.dcp.storage_info import DCP_METADATA_NAME, FlashpointStorageInfo, step_of_checkpoint_id
 from ml_flashpoint_nemo.errors import ChecksumError, CorruptCheckpointError, VersionNotFoundError
@@ -161,7 +162,7 @@ class MemoryStorageReader(StorageReader):
 
 
 def _same_dtype(target: torch.Tensor, entry: IndexEntry) -> bool:
-    return str(target.dtype).removeprefix("torch.") == entry.dtype
+    return dtype_name(target.dtype) == entry.dtype
 
 
 def _covers_whole_chunk(item: ReadItem, entry: IndexEntry) -> bool:

@@ -112,8 +112,7 @@ class _StagingWriter(MemoryStorageWriter):
 
     def place_and_report(self) -> list[WriteResult]:
         """Finalize phase on every rank: check the sealed object, move it into the version."""
-        if self.staged is None:
-            raise FlashpointError("finalize ran without a staged object; was async_save interrupted?")
+        assert self.staged is not None, "checked by _finalize_save"
         staged, self.staged = self.staged, None
         written = self._saver_for_rank().place(staged)
         return [WriteResult(index=index, size_in_bytes=nbytes, storage_data=FlashpointStorageInfo(written.record, key))
