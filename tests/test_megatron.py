@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
+from ml_flashpoint_nemo.errors import ChecksumError
 from ml_flashpoint_nemo.core import committed_steps, verify_version
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from tests.support.multiproc import run_world
@@ -30,8 +33,11 @@ def test_megatron_save_load_round_trip(base_dir, world_size, mode, fully_paralle
     assert (base_dir / "step-3" / "metadata.json").is_file()
 
 
-def test_megatron_corrupted_object_is_refused(base_dir):
-    outputs = run("save_then_corrupt_is_refused", 2, base=base_dir)
+@pytest.mark.parametrize("file, offset", [("rank-00001-0.fpo", 64 + 10),  # inside the first record
+                                          # torch.load would return {"hteration": 1}: zip CRCs are not checked
+                                          ("common.pt", "iteration")])
+def test_megatron_corrupted_object_or_common_state_is_refused(base_dir, file, offset):
+    outputs = run("save_then_corrupt_is_refused", 2, base=base_dir, file=file, offset=offset)
     assert all("REFUSED" in out for out in outputs), outputs
 
 
@@ -51,3 +57,39 @@ def test_manager_failure_on_one_rank_fails_the_first_save_on_every_rank(base_dir
 
 def test_cached_plan_is_dropped_when_one_rank_changes_structure(base_dir):
     run("plan_reused_only_while_structure_is_unchanged", 2, base=base_dir)
+
+
+def node_bases(tmp_path, nodes: int) -> list[str]:
+    return [str(tmp_path / f"node-{n}") for n in range(nodes)]
+
+
+@pytest.mark.parametrize("world_size, nodes", [(2, 2), (4, 2)])
+def test_every_node_holds_the_common_state_and_commit(shm_dir, world_size, nodes):
+    bases = node_bases(shm_dir, nodes)
+    run("common_state_on_every_node", world_size, bases=bases, ranks_per_node=world_size // nodes)
+    for node, base in enumerate(bases):
+        version = CheckpointLayout(base).version_dir(2)
+        assert {"COMMIT", "common.pt", "metadata.json", ".metadata"} <= set(os.listdir(version)), node
+        node_ranks = range(node * world_size // nodes, (node + 1) * world_size // nodes)
+        report = verify_version(base, 2, ranks=node_ranks)
+        assert (report.objects, report.files) == (len(node_ranks), 3)
+        assert committed_steps(CheckpointLayout(base)) == [1, 2]
+
+
+def test_node_that_cannot_take_the_version_fails_every_rank(shm_dir):
+    bases = node_bases(shm_dir, 2)
+    outputs = run("failed_node_copy_fails_every_rank", 2, bases=bases, ranks_per_node=1)
+    assert all("SAVE FAILED: FlashpointError" in out and "not on every node" in out and "rank 1 (node 1)" in out
+               for out in outputs), outputs
+    assert committed_steps(CheckpointLayout(bases[0])) == [1, 2]
+    assert committed_steps(CheckpointLayout(bases[1])) == [1]  # node 1 never shows a version it cannot load
+
+
+def test_flipped_common_state_fails_the_load(base_dir):
+    run("roundtrip", 2, base=base_dir, mode="sync", fully_parallel=False)
+    common = base_dir / "step-3" / "common.pt"
+    data = bytearray(common.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    common.write_bytes(bytes(data))
+    with pytest.raises(ChecksumError, match="common.pt"):
+        verify_version(base_dir, 3)

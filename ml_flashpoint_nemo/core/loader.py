@@ -22,6 +22,7 @@ from ml_flashpoint_nemo.core.format import HEADER_NBYTES, IndexEntry, ObjectHead
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.tuning import default_copy_threads
 from ml_flashpoint_nemo.core.values import BytesLike, dtype_from_name, dtype_name
+from ml_flashpoint_nemo.core.version_files import check_version_files
 from ml_flashpoint_nemo.core.versions import committed_steps, read_commit
 from ml_flashpoint_nemo.errors import (
     ChecksumError,
@@ -259,14 +260,16 @@ class VerifyReport:
     objects: int
     records: int
     nbytes: int
+    files: int = 0  # version-level files (adapter metadata, common state)
 
 
 def verify_version(
     base_dir: str | os.PathLike[str], step: int, *, ranks: Sequence[int] | None = None, threads: int | None = None
 ) -> VerifyReport:
-    """Check every byte of a version's local objects against their checksums; raises on the first problem."""
+    """Check every byte of a version's local objects and files against their checksums; raises on the first problem."""
     layout = CheckpointLayout(base_dir)
     commit = read_commit(layout, step)
+    files = check_version_files(layout, commit)
     threads = threads or default_copy_threads()
     objects = records = nbytes = 0
     for record in commit.objects:
@@ -285,5 +288,5 @@ def verify_version(
             objects += 1
             records += len(obj.entries)
             nbytes += sum(e.nbytes for e in obj.entries)
-    return VerifyReport(step, objects, records, nbytes)
+    return VerifyReport(step, objects, records, nbytes, files)
 

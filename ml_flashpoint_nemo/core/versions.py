@@ -43,22 +43,27 @@ def write_commit(
     )
     directory = layout.version_dir(step)
     directory.mkdir(parents=True, exist_ok=True)
-    temporary = directory / f".{COMMIT_NAME}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        with open(temporary, "wb") as handle:
-            handle.write(record.encode())
-            handle.flush()
-            os.fsync(handle.fileno())  # free on tmpfs; makes a disk base dir crash-safe too
-        os.rename(temporary, layout.commit_path(step))
-        _fsync_directory(directory)
-    except OSError as exc:
-        temporary.unlink(missing_ok=True)
-        raise_if_out_of_space(exc, f"the commit record of step {step}")
-        raise
+    write_file_atomically(directory, COMMIT_NAME, record.encode(), f"the commit record of step {step}")
+    fsync_directory(directory)
     return record
 
 
-def _fsync_directory(directory: Path) -> None:
+def write_file_atomically(directory: Path, name: str, data: bytes, what: str) -> None:
+    """Write directory/name so that readers see the old file or the whole new one, never a part."""
+    temporary = directory / f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        with open(temporary, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())  # free on tmpfs; makes a disk base dir crash-safe too
+        os.rename(temporary, directory / name)
+    except OSError as exc:
+        temporary.unlink(missing_ok=True)
+        raise_if_out_of_space(exc, what)
+        raise
+
+
+def fsync_directory(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)

@@ -25,10 +25,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+from megatron.core.dist_checkpointing.core import CONFIG_FNAME, CheckpointingConfig, save_config
 from megatron.core.dist_checkpointing.dict_utils import nested_values
-from megatron.core.dist_checkpointing.mapping import ShardedStateDict, ShardedTensor, StateDict
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
 from megatron.core.dist_checkpointing.strategies.base import (
     AsyncSaveShardedStrategy,
     StrategyAction,
@@ -52,8 +53,8 @@ from megatron.core.dist_checkpointing.strategies.torch import (
     mcore_to_pyt_state_dict,
 )
 from torch.distributed import checkpoint as torch_dcp
-from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
@@ -65,11 +66,13 @@ from ml_flashpoint_nemo.core.manager import (
     wait_for_manager,
 )
 from ml_flashpoint_nemo.core.saver import SealJob, StagedObject, seal_object
+from ml_flashpoint_nemo.core.topology import NodeTopology, discover_nodes, node_identity
 from ml_flashpoint_nemo.core.tuning import default_copy_threads
-from ml_flashpoint_nemo.core.versions import delete_superseded
+from ml_flashpoint_nemo.core.version_files import check_version_files, version_copy, write_version_copy
+from ml_flashpoint_nemo.core.versions import delete_superseded, read_commit
 from ml_flashpoint_nemo.dcp.reader import MemoryStorageReader
-from ml_flashpoint_nemo.dcp.storage_info import FlashpointStorageInfo, record_key
-from ml_flashpoint_nemo.dcp.writer import MemoryStorageWriter, release_process_savers
+from ml_flashpoint_nemo.dcp.storage_info import FlashpointStorageInfo
+from ml_flashpoint_nemo.dcp.writer import MemoryStorageWriter, release_process_savers, resolve_write_items
 from ml_flashpoint_nemo.errors import CorruptCheckpointError, FlashpointError, ManagerStartError
 
 logger = logging.getLogger(__name__)
@@ -91,23 +94,27 @@ class _StagingWriter(MemoryStorageWriter):
         super().__init__(layout.base_dir, keep=keep, checksum=checksum, threads=threads)
         self.reset(checkpoint_id)
         self.staged: StagedObject | None = None
+        self.stage_error: str | None = None
         self.items: list[tuple[Any, str, int]] = []  # (MetadataIndex, record key, nbytes)
 
     def prepare_write_data(self, plan: SavePlan, planner: SavePlanner) -> None:
-        """Blocking phase: copy this rank's items into a pool buffer (checksums come later)."""
+        """Blocking phase: copy this rank's items into a pool buffer (checksums come later).
+
+        A failure here (a full tmpfs, say) is kept for finalize, which reports it on every
+        rank: raising now would leave the other ranks waiting in finalize's collectives.
+        """
+        try:
+            self._stage(plan, planner)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank at finalize
+            self.abandon()
+            self.stage_error = f"staging failed: {type(exc).__name__}: {exc}"
+            logger.debug("flashpoint staging of step %s failed on rank %d", self.step, self.rank, exc_info=True)
+
+    def _stage(self, plan: SavePlan, planner: SavePlanner) -> None:
         self.rank = dist.get_rank()
         saver = self._saver_for_rank()
         delete_superseded(self.layout.base_dir, keep=self.keep, rank=self.rank, pool=saver.pool)
-        flat: dict[str, Any] = {}
-        self.items = []
-        for item in plan.items:
-            data = planner.resolve_data(item)
-            if item.type == WriteItemType.BYTE_IO:
-                data = data.getvalue()
-            key = record_key(item.index)
-            flat[key] = data
-            nbytes = data.numel() * data.element_size() if isinstance(data, torch.Tensor) else len(data)
-            self.items.append((item.index, key, nbytes))
+        flat, self.items = resolve_write_items(plan, planner)
         self.staged = saver.stage_object(self.step, flat, overwrite=True, defer_checksums=True)
 
     def place_and_report(self) -> list[WriteResult]:
@@ -126,8 +133,13 @@ class _StagingWriter(MemoryStorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         version_dir = self.layout.version_dir(self.step)
         version_dir.mkdir(parents=True, exist_ok=True)
-        save_config(CheckpointingConfig(BACKEND, VERSION), str(version_dir))  # before the commit, not after
+        # Before the commit, not after. Megatron rewrites the same bytes once the save is final.
+        save_config(CheckpointingConfig(BACKEND, VERSION), str(version_dir))
         super().finish(metadata, results)
+
+    def version_files(self) -> tuple[str, ...]:
+        """Megatron's metadata.json and its common state (common.pt, written by rank 0 before the save)."""
+        return (CONFIG_FNAME, COMMON_STATE_FNAME)
 
 
 class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
@@ -158,14 +170,15 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         self._signature: int | None = None
         self._cached_plans: tuple[Any, Any, bool] | None = None
         self._cached_metadata: Metadata | None = None
+        self._nodes: _NodeCopies | None = None
 
-    def _structure_unchanged_on_every_rank(self, sharded_state_dict: ShardedStateDict) -> bool:
-        """True when no rank's keys, shapes, dtypes or sharding changed since the last save.
+    def _structure_unchanged_on_every_rank(self, sharded_state_dict: ShardedStateDict, base_dir: Path) -> bool:
+        """True when no rank's keys, shapes, dtypes, sharding or base directory changed since the last save.
 
         Checked every save (a hash per rank and one small all-reduce); only then is the last
         save's plan reused, which skips the planning collectives.
         """
-        signature = hash(tuple(_describe(v) for v in nested_values(sharded_state_dict)))
+        signature = hash((node_identity(base_dir), tuple(_describe(v) for v in nested_values(sharded_state_dict))))
         changed = self._cached_plans is None or signature != self._signature
         self._signature = signature
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
@@ -196,9 +209,12 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         report_queue = self._report_queue_agreed_by_all_ranks()
         # Only main replicas are written (as Megatron's torch_dist does): replicated tensors once per job.
         sharded_state_dict, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, True)
-        reuse_plan = self._structure_unchanged_on_every_rank(sharded_state_dict)
-        pyt_state_dict = mcore_to_pyt_state_dict(sharded_state_dict, False)
         writer = _StagingWriter(checkpoint_dir, keep=self.keep, checksum=self.checksum, threads=self.threads)
+        reuse_plan = self._structure_unchanged_on_every_rank(sharded_state_dict, writer.layout.base_dir)
+        if not reuse_plan or self._nodes is None:
+            self._nodes = _NodeCopies.discover(writer.layout.base_dir, self._nodes)
+        nodes = self._nodes
+        pyt_state_dict = mcore_to_pyt_state_dict(sharded_state_dict, False)
         (writer, global_metadata, _), central_plan, local_plan, _, _ = save_state_dict_async_plan(
             pyt_state_dict,
             writer,
@@ -216,8 +232,10 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
 
         def finalize() -> None:
             _finalize_save(writer, global_metadata, report_queue)
+            nodes.copy_version_to_every_node(writer.layout, writer.step)
 
-        assert writer.staged is not None
+        if writer.staged is None:  # staging failed: nothing to write, finalize reports it on every rank
+            return AsyncRequest(None, (), [finalize])
         return AsyncRequest(seal_and_report, (writer.staged.seal_job, self.threads, report_queue), [finalize])
 
     def can_handle_sharded_objects(self) -> bool:
@@ -282,13 +300,64 @@ def _worker_outcome(job: SealJob, report_queue: Any) -> None:
         raise FlashpointError(f"the background write failed: {reports[job.path]}")
 
 
+class _NodeCopies:
+    """Gives every node its own copy of a committed version's files (common state, metadata, commit record).
+
+    Megatron writes the common state on global rank 0 only and the coordinator commits on
+    its own node; with a base directory per node, each other node's leader writes the same
+    checked files, so any node can load its ranks' data and the common state by itself.
+    """
+
+    def __init__(self, topology: NodeTopology, group: Any) -> None:
+        self.topology = topology
+        self.group = group  # gloo group of the node leaders; None on a single node
+
+    @classmethod
+    def discover(cls, base_dir: Path, previous: "_NodeCopies | None") -> "_NodeCopies":
+        """Collective on every rank; the leaders' group is kept while the leaders stay the same."""
+        topology = discover_nodes(base_dir)
+        if topology.node_count == 1:
+            return cls(topology, None)
+        if previous is not None and previous.group is not None and previous.topology.leaders == topology.leaders:
+            return cls(topology, previous.group)
+        return cls(topology, dist.new_group(topology.leaders, backend="gloo"))
+
+    def copy_version_to_every_node(self, layout: CheckpointLayout, step: int) -> None:
+        """After the coordinator committed: the other nodes' leaders write the version's files; errors reach all."""
+        if self.group is None:
+            return
+        rank = dist.get_rank()
+        is_copier = self.topology.is_leader and self.topology.node != self.topology.node_of_rank[0]
+        error = None
+        if rank == 0 or is_copier:
+            box: list[Any] = [None]
+            if rank == 0:
+                try:
+                    box[0] = version_copy(layout, read_commit(layout, step))
+                except Exception as exc:  # noqa: BLE001 - the leaders still need the broadcast to end
+                    box[0] = error = f"rank 0 reading step {step}: {type(exc).__name__}: {exc}"
+            dist.broadcast_object_list(box, src=0, group=self.group)
+            if is_copier and isinstance(box[0], dict):
+                try:
+                    write_version_copy(layout, step, box[0])
+                except Exception as exc:  # noqa: BLE001 - reported to every rank below
+                    error = f"rank {rank} (node {self.topology.node}): {type(exc).__name__}: {exc}"
+        errors: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        failed = [e for e in errors if e]
+        if failed:
+            raise FlashpointError(
+                f"step {step} is committed on the coordinator's node but not on every node: " + "; ".join(failed)
+            )
+
+
 def _finalize_save(writer: _StagingWriter, global_metadata: Metadata | None, report_queue: Any) -> None:
     """Every rank: place its object; coordinator: commit. Any rank's failure is raised on every rank."""
     error: str | None = None
     results: list[WriteResult] = []
     try:
         if writer.staged is None:
-            raise FlashpointError("finalize ran without a staged object; was async_save interrupted?")
+            raise FlashpointError(writer.stage_error or "finalize ran without a staged object; was async_save interrupted?")
         _worker_outcome(writer.staged.seal_job, report_queue)
         results = writer.place_and_report()
     except Exception as exc:  # noqa: BLE001 - reported to every rank below
@@ -316,6 +385,8 @@ class FlashpointLoadStrategy(TorchDistLoadShardedStrategy):
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path) -> StateDict:
         reader = self._reader(checkpoint_dir)
+        # Megatron loaded common.pt before calling this strategy: fail the load if it was not the saved one.
+        check_version_files(reader.layout, read_commit(reader.layout, reader.step))
         metadata = reader.read_metadata()
         sharded_state_dict, restore_data = apply_nd_flattened_tensors_reformulation(
             sharded_state_dict, _reformulation_metadata(sharded_state_dict, metadata)
@@ -343,7 +414,15 @@ class FlashpointLoadStrategy(TorchDistLoadShardedStrategy):
         return super().load_tensors_metadata(checkpoint_dir, metadata or self._reader(checkpoint_dir).read_metadata())
 
     def load_sharded_metadata(self, checkpoint_dir: str | Path) -> ShardedStateDict:
-        raise NotImplementedError("listing sharded objects of a RAM version is not supported yet; load tensors")
+        """Every ShardedTensor and ShardedObject of the version, without data (as torch_dist lists them)."""
+        metadata = self._reader(checkpoint_dir).read_metadata()
+        listed: dict[str, Any] = {}
+        for key, stored in metadata.state_dict_metadata.items():
+            if isinstance(stored, BytesStorageMetadata):
+                sharded_object = ShardedObject.empty_from_unique_key(key)
+                listed[sharded_object.unique_key] = sharded_object
+        listed.update(self.load_tensors_metadata(checkpoint_dir, metadata))
+        return listed
 
     @staticmethod
     def _reader(checkpoint_dir: str | Path) -> MemoryStorageReader:

@@ -21,6 +21,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (  # noqa
 )
 
 from ml_flashpoint_nemo.core.manager import start_manager_warmup  # noqa: E402
+from ml_flashpoint_nemo.core.recovery import choose_version  # noqa: E402
 from ml_flashpoint_nemo.megatron import FlashpointLoadStrategy, FlashpointSaveStrategy  # noqa: E402
 from tests.support import manager_hooks  # noqa: E402
 from tests.support.multiproc import expect_failure, scenario_main  # noqa: E402
@@ -112,9 +113,10 @@ def roundtrip(p: dict[str, Any]) -> None:
 def save_then_corrupt_is_refused(p: dict[str, Any]) -> None:
     save(p, 1, None)
     if dist.get_rank() == 0:
-        obj = Path(p["base"]) / "step-1" / "rank-00001-0.fpo"
+        obj = Path(p["base"]) / "step-1" / p["file"]
         data = bytearray(obj.read_bytes())
-        data[64 + 10] ^= 0x01  # inside the first record
+        offset = p["offset"] if isinstance(p["offset"], int) else data.index(p["offset"].encode())
+        data[offset] ^= 0x01
         obj.write_bytes(bytes(data))
     dist.barrier()
     expect_failure(lambda: load(p, 1), "REFUSED")
@@ -149,6 +151,43 @@ def failed_background_write_fails_every_rank(p: dict[str, Any]) -> None:
     queue.close()
 
 
+def node_base(p: dict[str, Any]) -> str:
+    """Base directory of this rank's "node": ranks_per_node consecutive ranks share one."""
+    return p["bases"][dist.get_rank() // p["ranks_per_node"]]
+
+
+def common_state_on_every_node(p: dict[str, Any]) -> None:
+    """Each node has its own base dir; after async saves every node can read the common state by itself."""
+    queue = AsyncCallsQueue(persistent=False)
+    strategy = save_strategy(p)
+    for step in (1, 2):
+        save(dict(p, base=node_base(p)), step, queue, strategy)
+    assert dist_checkpointing.load_common_state_dict(os.path.join(node_base(p), "step-2")) == {"iteration": 2}
+    listed = FlashpointLoadStrategy().load_sharded_metadata(os.path.join(node_base(p), "step-2"))
+    world = dist.get_world_size()
+    expected = {"layer.weight", "layer.bias"} | {f"rng/shard_{r}_{world}" for r in range(world)}
+    assert set(listed) == expected, sorted(listed)
+    assert isinstance(listed["rng/shard_0_" + str(world)], ShardedObject)
+    queue.close()
+    strategy.close()
+
+
+def failed_node_copy_fails_every_rank(p: dict[str, Any]) -> None:
+    """Node 1 cannot take the version's common state (a directory is in the way): every rank is told."""
+    strategy = save_strategy(p)
+    save(dict(p, base=node_base(p)), 1, None, strategy)
+    if dist.get_rank() == p["ranks_per_node"]:
+        (Path(node_base(p)) / "step-2" / "common.pt").mkdir(parents=True)
+    dist.barrier()
+    expect_failure(lambda: save(dict(p, base=node_base(p)), 2, None, strategy), "SAVE FAILED")
+    strategy.close()
+
+
+def choose(p: dict[str, Any]) -> None:
+    """Print the version every rank agreed to resume from."""
+    print("CHOSEN", choose_version(node_base(p)).step, flush=True)
+
+
 def manager_failure_fails_first_save_everywhere(p: dict[str, Any]) -> None:
     expect_failure(lambda: save(p, 1, AsyncCallsQueue(persistent=False)), "SAVE FAILED")
 
@@ -157,4 +196,5 @@ if __name__ == "__main__":
     scenario_main({f.__name__: f for f in (roundtrip, save_then_corrupt_is_refused,
                                            failed_background_write_fails_every_rank,
                                            manager_failure_fails_first_save_everywhere,
-                                           plan_reused_only_while_structure_is_unchanged)})
+                                           plan_reused_only_while_structure_is_unchanged,
+                                           common_state_on_every_node, failed_node_copy_fails_every_rank, choose)})

@@ -1,0 +1,62 @@
+"""Which ranks share a node, found through torch.distributed.
+
+A node is the set of ranks that see the same base directory: the same host name and
+the same resolved base path. On a cluster that is one machine; in tests, several
+"nodes" share a machine and each has its own base directory. Ranks are grouped by one
+all_gather_object, never by GPU counts or launcher guesses.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+
+def node_identity(base_dir: str | os.PathLike[str]) -> tuple[str, str]:
+    """What makes two ranks share a node: the host and the resolved base directory."""
+    return socket.gethostname(), os.path.realpath(base_dir)
+
+
+@dataclass(frozen=True)
+class NodeTopology:
+    """Node of every global rank (nodes numbered by their lowest rank) and this rank."""
+
+    node_of_rank: tuple[int, ...]
+    rank: int
+
+    @classmethod
+    def from_identities(cls, identities: list[Any], rank: int) -> "NodeTopology":
+        numbers: dict[Any, int] = {}
+        node_of_rank = tuple(numbers.setdefault(tuple(identity), len(numbers)) for identity in identities)
+        return cls(node_of_rank, rank)
+
+    @property
+    def node_count(self) -> int:
+        return max(self.node_of_rank) + 1
+
+    @property
+    def node(self) -> int:
+        return self.node_of_rank[self.rank]
+
+    def ranks_of_node(self, node: int) -> list[int]:
+        return [r for r, n in enumerate(self.node_of_rank) if n == node]
+
+    @property
+    def leaders(self) -> list[int]:
+        """The lowest rank of each node, in node order: it writes the node's version-level files."""
+        return [self.ranks_of_node(n)[0] for n in range(self.node_count)]
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank in self.leaders
+
+
+def discover_nodes(base_dir: str | os.PathLike[str]) -> NodeTopology:
+    """Collective: every rank must call it. One all_gather_object of the node identities."""
+    identities: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(identities, node_identity(base_dir))
+    return NodeTopology.from_identities(identities, dist.get_rank())
