@@ -16,6 +16,13 @@ DESIGN.md §3 and §8 give the budgets this script checks; every line has `targe
 - dcp_save_vs_core   dcp.save with a reused MemoryStorageWriter vs CheckpointSaver.save.
 - dcp_load_vs_core   dcp.load with MemoryStorageReader vs load_version, both into
                      pre-allocated tensors. Budget for both: DCP adds <= 10%.
+                     Both rows also give torch_seconds: the same dcp.save / dcp.load with a
+                     no-op StorageWriter / StorageReader (the default planners still plan every
+                     item, exchange plans through the process group and resolve every item; no
+                     byte is copied). That is DCP's own cost, which no storage layer can avoid;
+                     flashpoint_overhead = (dcp - torch - core) / core is what ours adds.
+                     dcp_save_vs_core also gives plan_cached_seconds: dcp.save with
+                     DefaultSavePlanner(enable_plan_caching=True), a caller's option.
 - manager_warmup_return  how long start_manager_warmup() takes to return in this process
                      (budget < 5 ms); also how long until the Manager is ready.
 - manager_ready_nemo / manager_ready_bare  the same in a child interpreter whose main
@@ -104,6 +111,12 @@ from ml_flashpoint_nemo.core import CheckpointSaver, load_version  # noqa: E402
 from ml_flashpoint_nemo.core.manager import shutdown_manager, start_manager_warmup, wait_for_manager  # noqa: E402
 from ml_flashpoint_nemo.core.tuning import default_copy_threads  # noqa: E402
 from ml_flashpoint_nemo.dcp import MemoryStorageReader, MemoryStorageWriter  # noqa: E402
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner  # noqa: E402
+from torch.distributed.checkpoint.metadata import Metadata  # noqa: E402
+from torch.distributed.checkpoint.planner import (  # noqa: E402
+    LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult  # noqa: E402
 from ml_flashpoint_nemo.megatron import FlashpointLoadStrategy, FlashpointSaveStrategy  # noqa: E402
 
 LARGE_TENSORS = 4
@@ -362,10 +375,81 @@ def blocking_parts(result: Result, parts: Parts) -> Row:
     }
 
 
+class NoopStorageWriter(StorageWriter):
+    """DCP's part of dcp.save alone: resolves every item as a real writer must, stores nothing."""
+
+    def __init__(self) -> None:
+        self.metadata: Metadata | None = None
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        pass
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> "torch.futures.Future[list[WriteResult]]":
+        results = []
+        for item in plan.items:
+            planner.resolve_data(item)
+            results.append(WriteResult(index=item.index, size_in_bytes=0, storage_data=None))
+        future: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        self.metadata = metadata
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return True
+
+
+class NoopStorageReader(StorageReader):
+    """DCP's part of dcp.load alone: the metadata of a no-op save; resolves and commits every item, reads nothing."""
+
+    def __init__(self, metadata: Metadata) -> None:
+        self.metadata = metadata
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        pass
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self.metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> "torch.futures.Future[None]":
+        for item in plan.items:
+            if item.type == LoadItemType.BYTE_IO:
+                continue  # the benchmark's state has no bytes items
+            planner.commit_tensor(item, planner.resolve_tensor(item))
+        future: torch.futures.Future[None] = torch.futures.Future()
+        future.set_result(None)
+        return future
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return True
+
+
 def bench_dcp_vs_core(bench: Bench, dest: State) -> list[Row]:
     dcp_base, core_base = bench.fresh_dir("dcp"), bench.fresh_dir("core")
     dcp_steps, core_steps = count(), count()
     writer = MemoryStorageWriter(dcp_base)  # reused for every save, as a job would
+    noop_writer = NoopStorageWriter()
     try:
         with CheckpointSaver(core_base) as saver:
 
@@ -375,16 +459,30 @@ def bench_dcp_vs_core(bench: Bench, dest: State) -> list[Row]:
             def core_save() -> None:
                 saver.save(next(core_steps), bench.state)
 
+            def torch_save() -> None:
+                dcp.save(bench.state, checkpoint_id=f"{dcp_base}/noop", storage_writer=noop_writer)
+
+            def plan_cached_save() -> None:
+                dcp.save(bench.state, checkpoint_id=f"{dcp_base}/step-{next(dcp_steps)}", storage_writer=writer,
+                         planner=DefaultSavePlanner(enable_plan_caching=True))
+
             for _ in range(WARMUP_SAVES):
                 dcp_save()
                 core_save()
+                torch_save()
             saves = (median_of_runs("dcp_save", timed(dcp_save), bench.runs, bench.nbytes),
-                     median_of_runs("core_save", timed(core_save), bench.runs, bench.nbytes))
+                     median_of_runs("core_save", timed(core_save), bench.runs, bench.nbytes),
+                     median_of_runs("torch_save", timed(torch_save), bench.runs, bench.nbytes))
+            plan_cached_save()  # fills torch's plan cache (class-level, keyed by the planner's class)
+            plan_cached = median_of_runs("dcp_save_plan_cached", timed(plan_cached_save), bench.runs, bench.nbytes)
             dcp_last, core_last = next(dcp_steps) - 1, next(core_steps) - 1
 
             def dcp_load() -> None:
                 dcp.load(dest, checkpoint_id=f"{dcp_base}/step-{dcp_last}",
                          storage_reader=MemoryStorageReader(dcp_base))
+
+            def torch_load() -> None:
+                dcp.load(dest, checkpoint_id=f"{dcp_base}/noop", storage_reader=NoopStorageReader(noop_writer.metadata))
 
             loads = (median_of_runs("dcp_load", timed(dcp_load, setup=lambda: zero_(dest)), bench.runs,
                                     bench.nbytes),)
@@ -393,19 +491,27 @@ def bench_dcp_vs_core(bench: Bench, dest: State) -> list[Row]:
             loads += (median_of_runs("core_load", timed(core_load, setup=lambda: zero_(dest)), bench.runs,
                                      bench.nbytes),)
             check_equal(dest, bench.state, "core load_version")
+            loads += (median_of_runs("torch_load", timed(torch_load), bench.runs, bench.nbytes),)
     finally:
         writer.close()
         shutil.rmtree(dcp_base, ignore_errors=True)
         shutil.rmtree(core_base, ignore_errors=True)
     return [
         comparison_row("dcp_save_vs_core", *saves, warmup_saves=WARMUP_SAVES,
-                       note="dcp.save(MemoryStorageWriter reused) vs CheckpointSaver.save; checksums on, keep=1"),
+                       plan_cached_seconds=round(plan_cached.seconds, 6),
+                       plan_cached_overhead=round(plan_cached.seconds / saves[1].seconds - 1, 4),
+                       note="dcp.save(MemoryStorageWriter reused) vs CheckpointSaver.save; checksums on, keep=1; "
+                       "torch_seconds = dcp.save with a no-op StorageWriter; plan_cached_* = dcp.save with "
+                       "DefaultSavePlanner(enable_plan_caching=True)"),
         comparison_row("dcp_load_vs_core", *loads,
-                       note="dcp.load(MemoryStorageReader) vs load_version, into pre-allocated touched tensors"),
+                       note="dcp.load(MemoryStorageReader) vs load_version, into pre-allocated touched tensors; "
+                       "torch_seconds = dcp.load with a no-op StorageReader"),
     ]
 
 
-def comparison_row(name: str, dcp_result: Result, core_result: Result, **fields: Any) -> Row:
+def comparison_row(name: str, dcp_result: Result, core_result: Result, torch_result: Result,
+                   **fields: Any) -> Row:
+    """overhead: all DCP adds over the core; torch_over_core: DCP's own part; flashpoint_overhead: what we add."""
     overhead = dcp_result.seconds / core_result.seconds - 1
     return row(
         name,
@@ -413,6 +519,10 @@ def comparison_row(name: str, dcp_result: Result, core_result: Result, **fields:
         dcp_gbps=round(dcp_result.gbps, 3), core_gbps=round(core_result.gbps, 3),
         dcp_min_seconds=round(min(dcp_result.samples), 6), core_min_seconds=round(min(core_result.samples), 6),
         overhead=round(overhead, 4), **budget(overhead, DCP_OVERHEAD_BUDGET),
+        torch_seconds=round(torch_result.seconds, 6), torch_min_seconds=round(min(torch_result.samples), 6),
+        torch_over_core=round(torch_result.seconds / core_result.seconds, 4),
+        flashpoint_seconds=round(dcp_result.seconds - torch_result.seconds, 6),
+        flashpoint_overhead=round((dcp_result.seconds - torch_result.seconds) / core_result.seconds - 1, 4),
         runs=len(dcp_result.samples), nbytes=dcp_result.nbytes, **fields,
     )
 

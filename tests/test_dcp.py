@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ml_flashpoint_nemo.core import CheckpointSaver, committed_steps, verify_version
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.dcp import MemoryStorageReader, MemoryStorageWriter
-from ml_flashpoint_nemo.errors import BaseDirError, CorruptCheckpointError
+from ml_flashpoint_nemo.errors import BaseDirError, CorruptCheckpointError, UnsupportedValueError
+from tests.support.dcp_scenarios import reader_paths
 from tests.support.multiproc import run_world
 
 
@@ -34,12 +39,12 @@ def test_dcp_async_save_stages_before_training_continues(base_dir, executor):
 
 def test_resharding_from_four_ranks_to_two(base_dir):
     run("save_only", 4, base=base_dir, step=7)
-    run("load_resharded", 2, base=base_dir, step=7)
+    run("load_resharded", 2, base=base_dir, step=7, tp_path="direct")  # whole stored chunks into shard views
 
 
 def test_resharding_from_two_ranks_to_four(base_dir):
     run("save_only", 2, base=base_dir, step=8)
-    run("load_resharded", 4, base=base_dir, step=8)
+    run("load_resharded", 4, base=base_dir, step=8, tp_path="copied")  # parts of stored chunks
 
 
 def test_layout_that_cannot_be_loaded_is_refused_on_every_rank(base_dir):
@@ -81,3 +86,87 @@ def test_reader_refuses_versions_not_saved_through_dcp_and_foreign_paths(base_di
         MemoryStorageWriter(base_dir).reset(base_dir / "latest")
     with pytest.raises(BaseDirError, match="needs checkpoint_id"):
         MemoryStorageWriter(base_dir).reset(None)
+
+
+# --- single process, no process group (DCP runs without collectives) -------------------------
+
+
+def single_process_state() -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(5)
+    return {
+        "param": torch.nn.Parameter(torch.randn(6, 5, generator=gen)),
+        "bf16": torch.randn(7, generator=gen).to(torch.bfloat16),
+        "scalar": torch.tensor(3, dtype=torch.int64),
+        "empty": torch.zeros(0, 4),
+        "transposed": torch.randn(4, 6, generator=gen).t(),  # a strided source and destination
+        "extra": {"note": "python object, saved by DCP as bytes"},
+    }
+
+
+def dcp_without_process_group(action: Any) -> Any:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        return action()
+
+
+def test_whole_stored_tensors_are_read_in_place_and_verified(base_dir):
+    """The direct path: each destination takes a whole stored tensor of its dtype, read into it (no copy)."""
+    state = single_process_state()
+    writer = MemoryStorageWriter(base_dir)
+    dcp_without_process_group(lambda: dcp.save(state, checkpoint_id=base_dir / "step-1", storage_writer=writer))
+    writer.close()
+    dest: dict[str, Any] = {k: torch.zeros_like(v) for k, v in state.items() if isinstance(v, torch.Tensor)}
+    dest["param"] = torch.nn.Parameter(torch.zeros(6, 5))  # requires grad: written in place all the same
+    dest["extra"] = {"note": None}
+    targets = {k: v.data_ptr() for k, v in dest.items() if isinstance(v, torch.Tensor)}
+    with reader_paths() as seen:
+        dcp_without_process_group(lambda: dcp.load(dest, checkpoint_id=base_dir / "step-1",
+                                                   storage_reader=MemoryStorageReader(base_dir)))
+    # DCP plans no read for a tensor without elements
+    assert {key.split("@")[0] for key in seen["direct"]} == set(targets) - {"empty"}, seen
+    assert seen["copied"] == {"extra.note"}, seen  # only the bytes record
+    for key, ptr in targets.items():
+        assert dest[key].data_ptr() == ptr, key
+        assert torch.equal(dest[key].detach(), state[key].detach()), key
+    assert dest["extra"]["note"] == state["extra"]["note"]
+    assert verify_version(base_dir, 1).records == len(state)
+
+
+def test_destination_of_another_dtype_is_read_through_a_copy(base_dir):
+    """Not the direct path: the stored chunk is read and verified, then converted into the destination."""
+    state = {"w": torch.randn(3, 4), "same": torch.arange(5)}
+    writer = MemoryStorageWriter(base_dir)
+    dcp_without_process_group(lambda: dcp.save(state, checkpoint_id=base_dir / "step-2", storage_writer=writer))
+    writer.close()
+    dest = {"w": torch.zeros(3, 4, dtype=torch.float64), "same": torch.zeros(5, dtype=torch.int64)}
+    with reader_paths() as seen:
+        dcp_without_process_group(lambda: dcp.load(dest, checkpoint_id=base_dir / "step-2",
+                                                   storage_reader=MemoryStorageReader(base_dir)))
+    assert seen == {"direct": {"same@0"}, "copied": {"w@0,0"}}, seen
+    assert torch.equal(dest["w"], state["w"].double()) and torch.equal(dest["same"], state["same"])
+
+
+def test_corrupted_record_fails_the_direct_path(base_dir):
+    state = {"w": torch.randn(64)}
+    writer = MemoryStorageWriter(base_dir)
+    dcp_without_process_group(lambda: dcp.save(state, checkpoint_id=base_dir / "step-3", storage_writer=writer))
+    writer.close()
+    obj = base_dir / "step-3" / "rank-00000-0.fpo"
+    data = bytearray(obj.read_bytes())
+    data[200] ^= 0xFF  # inside the only record
+    obj.write_bytes(bytes(data))
+    with pytest.raises(CheckpointException, match="CRC32C"):  # DCP wraps the ChecksumError of the rank
+        dcp_without_process_group(lambda: dcp.load({"w": torch.zeros(64)}, checkpoint_id=base_dir / "step-3",
+                                                   storage_reader=MemoryStorageReader(base_dir)))
+
+
+def test_state_keys_that_would_share_a_record_are_refused(base_dir):
+    """"a" (a tensor chunk at offset 0) and "a@0" (a bytes item) would map to one record: refused, not dropped."""
+    writer = MemoryStorageWriter(base_dir)
+    dcp_without_process_group(lambda: dcp.save({"x": torch.ones(3)}, checkpoint_id=base_dir / "step-1",
+                                               storage_writer=writer))
+    clash = {"a": torch.ones(4), "a@0": "a bytes item"}
+    with pytest.raises((UnsupportedValueError, CheckpointException), match="record key 'a@0'"):
+        dcp_without_process_group(lambda: dcp.save(clash, checkpoint_id=base_dir / "step-2", storage_writer=writer))
+    writer.close()
+    assert committed_steps(CheckpointLayout(base_dir)) == [1]

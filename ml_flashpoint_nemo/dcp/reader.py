@@ -7,12 +7,12 @@ by CRC32C on the way). When the load plan asks for part of a stored chunk
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import os
 import pickle
 import uuid
-from collections import defaultdict
 from typing import Any
 
 import torch
@@ -20,14 +20,14 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
-from ml_flashpoint_nemo import _core
 from ml_flashpoint_nemo.core.format import CommitRecord, IndexEntry
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.loader import open_object, read_object
 from ml_flashpoint_nemo.core.values import dtype_name
 from ml_flashpoint_nemo.core.versions import committed_steps, read_commit
+from ml_flashpoint_nemo.core.version_files import read_checked_file
 from ml_flashpoint_nemo.dcp.storage_info import DCP_METADATA_NAME, FlashpointStorageInfo, step_of_checkpoint_id
-from ml_flashpoint_nemo.errors import ChecksumError, CorruptCheckpointError, VersionNotFoundError
+from ml_flashpoint_nemo.errors import CorruptCheckpointError, VersionNotFoundError
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class MemoryStorageReader(StorageReader):
         self.step: int | None = None
         self.load_id = uuid.uuid4().hex
         self._commit: CommitRecord | None = None
-        self._storage_data: dict[Any, FlashpointStorageInfo] = {}
+        self._storage_data: dict[tuple[str, Any], FlashpointStorageInfo] = {}  # (fqn, offset) -> where it is
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -75,15 +75,7 @@ class MemoryStorageReader(StorageReader):
         return self._commit
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        commit = self._commit_record()
-        expected = commit.metadata["dcp_metadata"]
-        path = self.layout.version_dir(commit.step) / expected["name"]
-        try:
-            encoded = path.read_bytes()
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"DCP metadata {path} of a committed version is missing") from None
-        if len(encoded) != expected["nbytes"] or _core.crc32c(encoded) != expected["crc32c"]:
-            raise ChecksumError(f"DCP metadata {path} does not match its commit record", path=str(path))
+        encoded = read_checked_file(self.layout, self._commit_record(), DCP_METADATA_NAME)
         metadata: Metadata = pickle.loads(encoded)  # verified against the commit record first
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
@@ -91,9 +83,12 @@ class MemoryStorageReader(StorageReader):
         return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self._storage_data = dict(metadata.storage_data or {})
-        if not self._storage_data:
+        storage_data = metadata.storage_data or {}
+        if not storage_data:
             raise CorruptCheckpointError(f"DCP metadata of version {self.step} has no storage data")
+        # Keyed by (fqn, offset), what MetadataIndex compares: tuple hashing and equality run in C,
+        # MetadataIndex's dataclass __hash__/__eq__ in Python (two calls per item otherwise).
+        self._storage_data = {(index.fqn, index.offset): info for index, info in storage_data.items()}
         self._commit_record()
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -105,40 +100,66 @@ class MemoryStorageReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> "torch.futures.Future[None]":
         commit = self._commit_record()
         records = {o.name: o for o in commit.objects}
-        by_object: dict[str, list[ReadItem]] = defaultdict(list)
+        storage_data = self._storage_data
+        by_object: dict[str, list[tuple[ReadItem, str]]] = {}
         for item in plan.items:
-            by_object[self._storage_data[item.storage_index].object.name].append(item)
-        for name, items in by_object.items():
+            index = item.storage_index
+            info = storage_data.get((index.fqn, index.offset))
+            if info is None:
+                raise CorruptCheckpointError(
+                    f"{index.fqn} (offset {list(index.offset or [])}) has no storage data in version {self.step}"
+                )
+            keyed = by_object.get(info.object.name)
+            if keyed is None:
+                by_object[info.object.name] = [(item, info.key)]
+            else:
+                keyed.append((item, info.key))
+        for name, keyed in by_object.items():
             if name not in records:
                 raise CorruptCheckpointError(f"object {name} is not listed in the commit record of step {self.step}")
             with open_object(str(self.layout.object_path(commit.step, name)), records[name]) as obj:
-                self._read_items(obj, items, planner)
+                self._read_items(obj, keyed, planner)
         future: torch.futures.Future[None] = torch.futures.Future()
         future.set_result(None)
         return future
 
-    def _read_items(self, obj: Any, items: list[ReadItem], planner: LoadPlanner) -> None:
+    def _read_items(self, obj: Any, keyed: list[tuple[ReadItem, str]], planner: LoadPlanner) -> None:
+        """Read the items of one object: whole chunks straight into their destinations, parts through a copy.
+
+        The direct path needs one item per stored chunk asking for all of it, into a destination
+        of its dtype (read_object then checks the shape and reads in place, verifying the CRC).
+        Everything else (resharding, dtype conversion) reads the chunk once, verified, and copies
+        the parts out.
+        """
         entries = {e.key: e for e in obj.entries}
-        items_by_key: dict[str, list[ReadItem]] = defaultdict(list)
-        for item in items:
-            items_by_key[self._storage_data[item.storage_index].key].append(item)
+        items_by_key: dict[str, list[ReadItem]] = {}
+        for item, key in keyed:
+            group = items_by_key.get(key)
+            if group is None:
+                items_by_key[key] = [item]
+            else:
+                group.append(item)
         direct: dict[str, torch.Tensor] = {}  # whole stored chunk -> its destination, read in place
         direct_items: list[tuple[ReadItem, torch.Tensor]] = []
+        resolved: dict[int, torch.Tensor] = {}  # id(item) -> destination, for items resolved but read through a copy
         partial_keys: list[str] = []
         byte_keys: list[str] = []
         for key, key_items in items_by_key.items():
             entry = entries.get(key)
             if entry is None:
                 raise CorruptCheckpointError(f"record {key!r} is missing from {obj.path}")
-            if key_items[0].type == LoadItemType.BYTE_IO:
+            first = key_items[0]
+            if first.type == LoadItemType.BYTE_IO:
                 byte_keys.append(key)
                 continue
-            target = planner.resolve_tensor(key_items[0]).detach() if len(key_items) == 1 else None
-            if target is not None and _covers_whole_chunk(key_items[0], entry) and _same_dtype(target, entry):
-                direct[key] = target
-                direct_items.append((key_items[0], target))
-            else:
-                partial_keys.append(key)
+            if len(key_items) == 1 and _covers_whole_chunk(first, entry):
+                target = _destination(planner, first)
+                if _dtype_name(target.dtype) == entry.dtype:
+                    direct[key] = target
+                    direct_items.append((first, target))
+                    continue
+                resolved[id(first)] = target
+            partial_keys.append(key)
         loaded = read_object(obj, into=direct, keys=partial_keys + byte_keys, threads=self.threads)
         for item, target in direct_items:
             planner.commit_tensor(item, target)
@@ -148,7 +169,9 @@ class MemoryStorageReader(StorageReader):
                 source = stored
                 for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths)):
                     source = source.narrow(dim, offset, length)
-                target = planner.resolve_tensor(item).detach()
+                target = resolved.pop(id(item), None)
+                if target is None:
+                    target = _destination(planner, item)
                 if target.shape != source.shape:
                     raise CorruptCheckpointError(
                         f"{item.dest_index.fqn}: the load plan asks for {list(source.shape)} elements of the stored "
@@ -161,9 +184,16 @@ class MemoryStorageReader(StorageReader):
                 planner.load_bytes(item, io.BytesIO(loaded[key]))
 
 
-def _same_dtype(target: torch.Tensor, entry: IndexEntry) -> bool:
-    return dtype_name(target.dtype) == entry.dtype
+def _destination(planner: LoadPlanner, item: ReadItem) -> torch.Tensor:
+    """The tensor the planner resolves for item, without autograd history (it is written in place)."""
+    target = planner.resolve_tensor(item)
+    return target.detach() if target.requires_grad else target
+
+
+@functools.lru_cache(maxsize=None)
+def _dtype_name(dtype: torch.dtype) -> str:
+    return dtype_name(dtype)
 
 
 def _covers_whole_chunk(item: ReadItem, entry: IndexEntry) -> bool:
-    return all(o == 0 for o in item.storage_offsets) and tuple(item.lengths) == tuple(entry.shape)
+    return not any(item.storage_offsets) and tuple(item.lengths) == tuple(entry.shape)

@@ -27,9 +27,10 @@ class FlashpointStorageInfo:
 
 def record_key(index: MetadataIndex) -> str:
     """A unique record key per DCP item: the fully qualified name plus the chunk offset."""
-    if index.offset is None:
+    offset = index.offset
+    if offset is None:
         return index.fqn
-    return f"{index.fqn}@{','.join(str(o) for o in index.offset)}"
+    return f"{index.fqn}@{','.join(map(str, offset))}"
 
 
 def step_of_checkpoint_id(layout: CheckpointLayout, checkpoint_id: str | os.PathLike[str]) -> int:

@@ -12,6 +12,7 @@ import io
 import logging
 import os
 import pickle
+import threading
 import uuid
 from typing import Any
 
@@ -22,9 +23,10 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
-from ml_flashpoint_nemo import _core
+from ml_flashpoint_nemo.core.format import ObjectRecord
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.saver import CheckpointSaver
+from ml_flashpoint_nemo.core.version_files import FILES_KEY, describe_bytes, describe_files
 from ml_flashpoint_nemo.core.versions import delete_superseded, write_commit
 from ml_flashpoint_nemo.dcp.staging import StagingBuffers
 from ml_flashpoint_nemo.dcp.storage_info import (
@@ -33,7 +35,7 @@ from ml_flashpoint_nemo.dcp.storage_info import (
     record_key,
     step_of_checkpoint_id,
 )
-from ml_flashpoint_nemo.errors import BaseDirError
+from ml_flashpoint_nemo.errors import BaseDirError, UnsupportedValueError
 
 logger = logging.getLogger(__name__)
 
@@ -125,20 +127,12 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             raise BaseDirError("write_data called before reset(checkpoint_id): pass checkpoint_id to dcp.save")
         saver = self._saver_for_rank()
         delete_superseded(self.layout.base_dir, keep=self.keep, rank=self.rank, pool=saver.pool)
-        flat: dict[str, Any] = {}
-        for item in plan.items:
-            data = planner.resolve_data(item)
-            if item.type == WriteItemType.BYTE_IO:
-                data = data.getbuffer() if isinstance(data, io.BytesIO) else bytes(data)
-            flat[record_key(item.index)] = data
+        flat, described = resolve_write_items(plan, planner)
         written = saver.write_object(self.step, flat, overwrite=True)
+        record = written.record
         results = [
-            WriteResult(
-                index=item.index,
-                size_in_bytes=_nbytes(flat[record_key(item.index)]),
-                storage_data=FlashpointStorageInfo(written.record, record_key(item.index)),
-            )
-            for item in plan.items
+            WriteResult(index=index, size_in_bytes=nbytes, storage_data=FlashpointStorageInfo(record, key))
+            for index, key, nbytes in described
         ]
         future: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
         future.set_result(results)
@@ -147,10 +141,17 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         if self.step is None:
             raise BaseDirError("finish called before reset(checkpoint_id)")
-        metadata.storage_data = {wr.index: wr.storage_data for per_rank in results for wr in per_rank}
+        storage_data: dict[Any, FlashpointStorageInfo] = {}
+        objects: dict[int, ObjectRecord] = {}  # by identity: every item of an object shares its record
+        for per_rank in results:
+            for wr in per_rank:
+                info = wr.storage_data
+                storage_data[wr.index] = info
+                objects[id(info.object)] = info.object
+        metadata.storage_data = storage_data
         metadata.storage_meta = self.storage_meta()
-        objects = {wr.storage_data.object for per_rank in results for wr in per_rank}
         encoded = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+        described = describe_bytes(encoded)
         version_dir = self.layout.version_dir(self.step)
         version_dir.mkdir(parents=True, exist_ok=True)
         temporary = version_dir / f"{DCP_METADATA_NAME}.tmp-{os.getpid()}"
@@ -159,15 +160,19 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         write_commit(
             self.layout,
             self.step,
-            sorted(objects, key=lambda o: (o.rank, o.name)),
+            sorted(set(objects.values()), key=lambda o: (o.rank, o.name)),
             world_size=len(results),
             metadata={
                 "kind": "dcp",
-                "dcp_metadata": {"name": DCP_METADATA_NAME, "nbytes": len(encoded), "crc32c": _core.crc32c(encoded)},
                 "save_id": self.save_id,
+                FILES_KEY: {DCP_METADATA_NAME: described, **describe_files(version_dir, self.version_files())},
             },
         )
         logger.debug("Committed DCP version %d with %d objects", self.step, len(objects))
+
+    def version_files(self) -> tuple[str, ...]:
+        """Files besides DCP's metadata that a subclass keeps in the version (checksummed in the commit record)."""
+        return ()
 
     # --- AsyncStager -----------------------------------------------------------------------
 
@@ -204,15 +209,45 @@ def release_process_savers() -> None:
         saver.close()
 
 
+_SAVERS_LOCK = threading.Lock()  # the trainer's thread and the pool warm-up thread may both ask
+
+
 def _process_saver(layout: CheckpointLayout, rank: int) -> CheckpointSaver:
     key = (str(layout.base_dir), rank)
-    saver = _SAVERS.get(key)
-    if saver is None or saver.pool.closed:
-        saver = _SAVERS[key] = CheckpointSaver(layout.base_dir, rank)
-    return saver
+    with _SAVERS_LOCK:
+        saver = _SAVERS.get(key)
+        if saver is None or saver.pool.closed:
+            saver = _SAVERS[key] = CheckpointSaver(layout.base_dir, rank)
+        return saver
 
 
-def _nbytes(value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    return memoryview(value).nbytes
+def warm_up_rank_pool(base_dir: str | os.PathLike[str], rank: int) -> None:
+    """Take rank's pool in this process and pre-fault the buffers an earlier run left in it (background)."""
+    _process_saver(CheckpointLayout(base_dir), rank).pool.start_warmup()
+
+
+def resolve_write_items(plan: SavePlan, planner: SavePlanner) -> tuple[dict[str, Any], list[tuple[Any, str, int]]]:
+    """The plan's items as a flat state for the saver, and (index, record key, nbytes) per item.
+
+    One pass over the items: resolve_data once each (the planner's API), record keys once each.
+    """
+    flat: dict[str, Any] = {}
+    described: list[tuple[Any, str, int]] = []
+    resolve = planner.resolve_data
+    byte_io = WriteItemType.BYTE_IO
+    for item in plan.items:
+        data = resolve(item)
+        if item.type == byte_io:
+            data = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(bytes(data))
+        # nbytes of a tensor is numel * element_size; of a buffer, its length in bytes
+        nbytes = data.nbytes
+        index = item.index
+        key = record_key(index)
+        if key in flat:
+            raise UnsupportedValueError(
+                f"two items of the plan map to the record key {key!r} ({index.fqn!r} and another); "
+                "rename the state dict key that contains '@'"
+            )
+        flat[key] = data
+        described.append((index, key, nbytes))
+    return flat, described

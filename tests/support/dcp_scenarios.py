@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -13,6 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from ml_flashpoint_nemo.dcp import MemoryStorageReader, MemoryStorageWriter
+from ml_flashpoint_nemo.dcp import reader as dcp_reader
 from tests.support.multiproc import expect_failure, scenario_main
 
 ROWS = 16
@@ -106,14 +108,42 @@ def save_only(p: dict[str, Any]) -> None:
     writer.close()
 
 
+@contextlib.contextmanager
+def reader_paths() -> Iterator[dict[str, set[str]]]:
+    """Which records the reader read in place into their destinations ("direct") and which through a copy."""
+    seen: dict[str, set[str]] = {"direct": set(), "copied": set()}
+    original = dcp_reader.read_object
+
+    def spy(obj: Any, *, into: Any = None, keys: Any = None, threads: Any = None) -> Any:
+        seen["direct"].update(into or {})
+        seen["copied"].update(keys or ())
+        return original(obj, into=into, keys=keys, threads=threads)
+
+    dcp_reader.read_object = spy
+    try:
+        yield seen
+    finally:
+        dcp_reader.read_object = original
+
+
 def load_resharded(p: dict[str, Any]) -> None:
-    """Load tp.* (saved on another world size) into this world's shards; replicated values as saved."""
+    """Load tp.* (saved on another world size) into this world's shards; replicated values as saved.
+
+    p["tp_path"] says how the tp.* records must be read: "direct" when every destination chunk is
+    a whole stored chunk (more ranks saved than load), "copied" when destinations take parts of
+    stored chunks (fewer ranks saved than load: read once, verified, the parts copied out).
+    """
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     full = global_weights(p["step"])
     state = {name: distribute_tensor(torch.zeros_like(t), mesh, [Shard(0)]) for name, t in full.items()
              if name.startswith("tp.")}
     state["replicated.norm"] = torch.zeros(24)
-    dcp.load(state, checkpoint_id=checkpoint_id(p["base"], p["step"]), storage_reader=MemoryStorageReader(p["base"]))
+    with reader_paths() as seen:
+        dcp.load(state, checkpoint_id=checkpoint_id(p["base"], p["step"]),
+                 storage_reader=MemoryStorageReader(p["base"]))
+    tp_records = {key for path in seen.values() for key in path if key.startswith("tp.")}
+    assert tp_records and tp_records <= seen[p["tp_path"]], (p["tp_path"], seen)
+    assert "replicated.norm@0" in seen["direct"], seen
     for name in ("tp.weight", "tp.bias_bf16"):
         expected = distribute_tensor(full[name], mesh, [Shard(0)]).to_local()
         assert torch.equal(state[name].to_local(), expected), name
