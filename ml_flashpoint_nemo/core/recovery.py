@@ -1,0 +1,84 @@
+"""Recovery: every rank agrees on the newest RAM version that is complete and intact across the job.
+
+Ranks must never resume from different versions, and never from a version with a
+missing or flipped byte. Each rank lists the versions committed on its node; the
+candidates are the steps committed on every node, newest first; for each candidate
+every rank checks its own objects and the version's files, and the first candidate
+that checks out on every rank wins. Skipped candidates are logged with the reason on
+every rank. Two small all-gathers per candidate, no data moved.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from ml_flashpoint_nemo.core.layout import CheckpointLayout
+from ml_flashpoint_nemo.core.loader import verify_version
+from ml_flashpoint_nemo.core.versions import committed_steps, read_commit
+from ml_flashpoint_nemo.errors import FlashpointError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RecoveryChoice:
+    """The agreed version (None: no RAM version is usable) and why newer ones were skipped."""
+
+    step: int | None
+    skipped: dict[int, list[str]] = field(default_factory=dict)
+
+    def path(self, base_dir: str | os.PathLike[str]) -> str | None:
+        return None if self.step is None else str(CheckpointLayout(base_dir).version_dir(self.step))
+
+
+def _local_problem(layout: CheckpointLayout, step: int, rank: int, world_size: int) -> str | None:
+    """Why this rank cannot resume from step (None if it can)."""
+    try:
+        commit = read_commit(layout, step)
+        if commit.world_size != world_size:
+            return (f"saved by {commit.world_size} ranks, the job now has {world_size}; RAM versions are per node "
+                    "and are only resumed at the same world size")
+        absent = [o.name for o in commit.objects if not layout.object_path(step, o.name).is_file()]
+        if absent:  # a load may read any rank's object (replicated tensors are stored once)
+            return f"rank {rank}: {len(absent)} objects are not on this node, e.g. {absent[0]}"
+        verify_version(layout.base_dir, step, ranks=[rank])
+    except (FlashpointError, OSError) as exc:
+        return f"rank {rank}: {type(exc).__name__}: {exc}"
+    return None
+
+
+def choose_version(base_dir: str | os.PathLike[str]) -> RecoveryChoice:
+    """Collective: the newest step every rank can resume from, checked on every rank."""
+    layout = CheckpointLayout(base_dir)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    local = set(committed_steps(layout))
+    everyone: list[Any] = [None] * world_size
+    dist.all_gather_object(everyone, sorted(local))
+    candidates = sorted(set.intersection(*(set(s) for s in everyone)), reverse=True)
+    newest_anywhere = max((s for steps in everyone for s in steps), default=None)
+    skipped: dict[int, list[str]] = {}
+    if newest_anywhere is not None and (not candidates or candidates[0] != newest_anywhere):
+        missing_on = [r for r, steps in enumerate(everyone) if newest_anywhere not in steps]
+        skipped[newest_anywhere] = [f"not committed on the node of ranks {missing_on}"]
+    for step in candidates:
+        problems: list[Any] = [None] * world_size
+        dist.all_gather_object(problems, _local_problem(layout, step, rank, world_size))
+        found = [p for p in problems if p]
+        if not found:
+            _log_skipped(skipped, step)
+            return RecoveryChoice(step, skipped)
+        skipped[step] = found
+    _log_skipped(skipped, None)
+    return RecoveryChoice(None, skipped)
+
+
+def _log_skipped(skipped: dict[int, list[str]], chosen: int | None) -> None:
+    for step, reasons in sorted(skipped.items(), reverse=True):
+        logger.warning("RAM checkpoint step %d is not used: %s", step, "; ".join(reasons))
+    if chosen is not None:
+        logger.info("Resuming from RAM checkpoint step %d", chosen)

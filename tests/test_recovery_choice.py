@@ -1,0 +1,83 @@
+"""Which RAM version a restarted job resumes from: agreed by every rank, intact everywhere, else older."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.support.multiproc import run_world
+
+
+def params(bases: list[str], world_size: int) -> dict:
+    return {"bases": bases, "ranks_per_node": world_size // len(bases)}
+
+
+def chosen(bases: list[str], world_size: int) -> set[str]:
+    outputs = run_world("megatron_scenarios", "choose", world_size, params(bases, world_size))
+    return {line for out in outputs for line in out.splitlines() if line.startswith("CHOSEN")}
+
+
+def flip(path: Path, offset: int = 80) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x10  # inside the first record
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture
+def one_node(shm_dir) -> list[str]:
+    bases = [str(shm_dir / "node")]
+    run_world("megatron_scenarios", "common_state_on_every_node", 2, params(bases, 2))
+    return bases
+
+
+@pytest.fixture
+def two_nodes(shm_dir) -> list[str]:
+    """Two nodes of one rank each, saved steps 1 and 2; objects not exchanged (no replication)."""
+    bases = [str(shm_dir / "node-0"), str(shm_dir / "node-1")]
+    run_world("megatron_scenarios", "common_state_on_every_node", 2, params(bases, 2))
+    return bases
+
+
+def exchange_objects(bases: list[str]) -> None:
+    """What replication will do: every node also holds the other node's objects."""
+    for source, target in ((bases[0], bases[1]), (bases[1], bases[0])):
+        for step_dir in Path(source).glob("step-*"):
+            for obj in step_dir.glob("rank-*.fpo"):
+                if not (Path(target) / step_dir.name / obj.name).exists():
+                    shutil.copy(obj, Path(target) / step_dir.name / obj.name)
+
+
+def test_newest_version_is_chosen_when_intact_everywhere(one_node):
+    assert chosen(one_node, 2) == {"CHOSEN 2"}
+
+
+def test_flipped_byte_of_one_rank_makes_every_rank_take_the_older_version(one_node):
+    flip(Path(one_node[0]) / "step-2" / "rank-00001-0.fpo")
+    assert chosen(one_node, 2) == {"CHOSEN 1"}
+
+
+def test_flipped_common_state_makes_every_rank_take_the_older_version(one_node):
+    flip(Path(one_node[0]) / "step-2" / "common.pt", offset=40)
+    assert chosen(one_node, 2) == {"CHOSEN 1"}
+
+
+def test_each_node_resumes_from_its_own_copy_of_the_version(two_nodes):
+    exchange_objects(two_nodes)
+    assert chosen(two_nodes, 2) == {"CHOSEN 2"}
+
+
+def test_version_not_committed_on_one_node_is_skipped_everywhere(two_nodes):
+    exchange_objects(two_nodes)
+    (Path(two_nodes[1]) / "step-2" / "COMMIT").unlink()
+    assert chosen(two_nodes, 2) == {"CHOSEN 1"}
+
+
+def test_objects_only_on_another_node_mean_no_ram_version(two_nodes):
+    # rank 0's object (with the replicated tensors) is not on node 1: resuming there would fail mid-load
+    assert chosen(two_nodes, 2) == {"CHOSEN None"}
+
+
+def test_saved_world_size_must_match(one_node):
+    assert chosen(one_node, 4) == {"CHOSEN None"}
