@@ -6,8 +6,7 @@ server process imports core.manager) does not pay for torch and the C++ extensio
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ml_flashpoint_nemo._lazy import lazy_exports
 
 _EXPORTS = {
     "FORMAT_VERSION": "format",
@@ -38,13 +37,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS, globals())
 
 
 def __dir__() -> list[str]:

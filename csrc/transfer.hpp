@@ -1,0 +1,173 @@
+// TCP transfer service for checkpoint objects: the transport layer of replication.
+//
+// A TransferServer serves one base directory (a job's RAM checkpoint root on tmpfs). Peers
+// authenticate each other with a job-scoped secret (HMAC-SHA256 over fresh nonces from both
+// sides), then PUSH an object to the server or FETCH one from it. Objects are addressed by
+// their path relative to the base directory; both ends confine every path to their own base
+// directory (component-wise openat with O_NOFOLLOW). The receiver writes into a hidden
+// temporary file next to the destination, checks length and CRC32C, fsyncs and only then
+// renames it into place. The wire format is described in transfer.cpp and docs of the
+// bindings; every length field is bounded and every wait has a timeout.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace flashpoint {
+
+// --- errors (the bindings map each to a Python exception class of the same name) ----------
+
+// A transfer failed (after the last retry, for client operations). Python: TransferError(OSError).
+class TransferError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+// The peer did not prove knowledge of the job secret (or we were refused). Never retried.
+class TransferAuthError : public TransferError {
+ public:
+  using TransferError::TransferError;
+};
+// A wait for the peer ran past its timeout (connect, send or receive). Python: also TimeoutError.
+class TransferTimeoutError : public TransferError {
+ public:
+  using TransferError::TransferError;
+};
+// The bytes received do not match the sender's length or CRC32C; nothing was renamed into place.
+class TransferChecksumError : public TransferError {
+ public:
+  using TransferError::TransferError;
+};
+// The peer answered and refused the request (too large, I/O error on its side...). Never retried.
+class TransferRefusedError : public TransferError {
+ public:
+  using TransferError::TransferError;
+};
+// The requested object does not exist on the serving peer. Python: also FileNotFoundError-free
+// (subclass of TransferRefusedError only).
+class TransferNotFoundError : public TransferRefusedError {
+ public:
+  using TransferRefusedError::TransferRefusedError;
+};
+// A relative object path was refused (absolute, '..', empty component, NUL, too long, or it
+// resolves through a symlink / non-directory). Python: also ValueError.
+class TransferPathError : public TransferRefusedError {
+ public:
+  using TransferRefusedError::TransferRefusedError;
+};
+
+// --- limits -------------------------------------------------------------------------------
+
+constexpr size_t kTransferMaxPathBytes = 4096;
+constexpr uint64_t kTransferDefaultMaxObjectBytes = uint64_t(64) << 30;  // 64 GiB
+constexpr size_t kTransferMinSecretBytes = 16;
+
+// Checks a relative object path and returns its components; throws TransferPathError naming it.
+std::vector<std::string> split_relative_path(const std::string& path);
+
+// --- client -------------------------------------------------------------------------------
+
+struct TransferOptions {
+  double connect_timeout_s = 5.0;   // non-blocking connect + poll
+  double io_timeout_s = 30.0;       // the handshake as a whole, then every wait for progress
+  int retries = 3;                  // extra attempts after the first, for retryable failures
+  double backoff_s = 0.2;           // sleep before retry i is backoff_s * 2**i
+  bool zero_copy = true;            // sendfile() from the source file (else pread + send)
+  uint64_t max_object_bytes = kTransferDefaultMaxObjectBytes;  // fetch refuses bigger objects
+};
+
+struct TransferResult {
+  uint64_t nbytes = 0;
+  uint32_t crc32c = 0;
+  int attempts = 0;
+  double seconds = 0;
+};
+
+// Pushes local_base_dir/path to the server as remote_path (path when empty).
+TransferResult transfer_push_path(const std::string& host, int port, const std::string& secret,
+                                  const std::string& local_base_dir, const std::string& path,
+                                  const std::string& remote_path, const TransferOptions& options);
+// Pushes bytes [offset, offset+length) of an open file as remote_path.
+TransferResult transfer_push_fd(const std::string& host, int port, const std::string& secret, int fd,
+                                uint64_t offset, uint64_t length, const std::string& remote_path,
+                                const TransferOptions& options);
+// Fetches remote_path from the server into local_base_dir/local_path (remote_path when empty).
+TransferResult transfer_fetch(const std::string& host, int port, const std::string& secret,
+                              const std::string& remote_path, const std::string& local_base_dir,
+                              const std::string& local_path, const TransferOptions& options);
+
+// Baseline for the benchmark: a plain C++ send()/recv() loop of nbytes over loopback between
+// two threads of this process. Returns the seconds it took.
+double raw_tcp_seconds(uint64_t nbytes, size_t chunk_bytes);
+
+// --- server -------------------------------------------------------------------------------
+
+struct TransferServerConfig {
+  std::string base_dir;
+  std::string secret;
+  std::string host = "127.0.0.1";
+  int port = 0;
+  int max_connections = 4;       // worker threads; connections beyond them wait in a bounded queue
+  int max_pending = 0;           // queued connections beyond the workers (0: 4 * max_connections)
+  double io_timeout_s = 30.0;
+  uint64_t max_object_bytes = kTransferDefaultMaxObjectBytes;
+};
+
+class TransferServer {
+ public:
+  explicit TransferServer(const TransferServerConfig& config);
+  ~TransferServer();
+  TransferServer(const TransferServer&) = delete;
+  TransferServer& operator=(const TransferServer&) = delete;
+
+  int port() const { return port_; }
+  const std::string& host() const { return config_.host; }
+  bool running() const { return !stopped_.load(); }
+  // Closes the listener and every connection, joins every thread. Idempotent.
+  void stop();
+  // Errors raised in the service threads since the last call (oldest first), then cleared.
+  std::vector<std::string> take_errors();
+  std::map<std::string, uint64_t> stats() const;
+
+ private:
+  struct Pending {
+    int fd;
+    std::string peer;
+  };
+  void accept_loop();
+  void worker_loop();
+  void handle(int fd, const std::string& peer);
+  void record_error(const std::string& message);
+
+  TransferServerConfig config_;
+  int base_fd_ = -1;
+  int listen_fd_ = -1;
+  int stop_fd_ = -1;  // eventfd, readable once stop() began: wakes every poll()
+  int port_ = 0;
+  std::atomic<bool> stopped_{false};
+  std::mutex stop_mutex_;
+
+  std::mutex queue_mutex_;
+  std::condition_variable queue_cv_;
+  std::deque<Pending> queue_;
+  bool stopping_ = false;
+
+  std::thread accept_thread_;
+  std::vector<std::thread> workers_;
+
+  mutable std::mutex error_mutex_;
+  std::deque<std::string> errors_;
+  uint64_t errors_dropped_ = 0;
+
+  std::atomic<uint64_t> accepted_{0}, rejected_busy_{0}, auth_failures_{0}, protocol_failures_{0},
+      pushes_ok_{0}, fetches_ok_{0}, transfer_failures_{0}, bytes_received_{0}, bytes_sent_{0};
+};
+
+}  // namespace flashpoint

@@ -1,0 +1,510 @@
+"""The TCP transfer service of ``_core`` (replication transport): real sockets, real processes.
+
+Peers the C++ code must not trust are played by tests/support/transfer_peer.py, an independent
+Python implementation of the protocol. After every hostile input the tests check that nothing
+outside the base directory changed (a sentinel directory), that no partial object is visible,
+that no hidden temporary file is left, and that the server still serves a legitimate push.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from ml_flashpoint_nemo import _core
+from tests.support import transfer_peer as peer
+
+SECRET = b"job-secret-0123456789abcdef"
+HOST = "127.0.0.1"
+MiB = 1 << 20
+IO_TIMEOUT = 1.0
+REPO = Path(__file__).resolve().parents[1]
+
+
+# --- helpers ----------------------------------------------------------------------------------
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, bytes | str]]:
+    """Every entry under root: files with their content hash, symlinks with their target."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            rel = str(p.relative_to(root))
+            if p.is_symlink():
+                out[rel] = (0, os.readlink(p))
+            elif p.is_file():
+                out[rel] = (p.stat().st_size, hashlib.sha256(p.read_bytes()).digest())
+            else:
+                out[rel] = (-1, b"dir")
+    return out
+
+
+def hidden_files(root: Path) -> list[str]:
+    return [str(Path(d) / f) for d, _, fs in os.walk(root) for f in fs if f.startswith(".")]
+
+
+def count_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def count_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.fixture
+def dirs(shm_dir: Path):
+    """(server base, client base, sentinel dir outside both) with a secret in the sentinel."""
+    server = shm_dir / "server"
+    client = shm_dir / "client"
+    sentinel = shm_dir / "sentinel"
+    for d in (server, client, sentinel):
+        d.mkdir()
+    (sentinel / "secret.txt").write_bytes(b"do not touch")
+    return server, client, sentinel
+
+
+@pytest.fixture
+def server(dirs):
+    base, _, _ = dirs
+    with _core.TransferServer(base, SECRET, io_timeout_s=IO_TIMEOUT, max_connections=3,
+                              max_object_bytes=256 * MiB) as srv:
+        yield srv
+
+
+def write_object(base: Path, rel: str, data: bytes) -> Path:
+    p = base / rel
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_bytes(data)
+    return p
+
+
+def assert_still_serves(srv, client_base: Path, server_base: Path) -> None:
+    data = os.urandom(4096 + 13)
+    write_object(client_base, "check/ok.fpo", data)
+    r = _core.transfer_push(HOST, srv.port, SECRET, client_base, "check/ok.fpo", retries=0, io_timeout_s=5)
+    assert r["nbytes"] == len(data)
+    assert (server_base / "check" / "ok.fpo").read_bytes() == data
+
+
+@pytest.fixture
+def hostile(dirs, server):
+    """Runs a hostile scenario; afterwards checks confinement, leftovers and that the server still serves."""
+    base, client, sentinel = dirs
+    before = snapshot(sentinel)
+    yield server, base, client, sentinel
+    assert snapshot(sentinel) == before, "something outside the base directory changed"
+    assert hidden_files(base) == [], "a temporary file was left behind"
+    assert_still_serves(server, client, base)
+
+
+def auth_sock(srv) -> socket.socket:
+    s = peer.connect(HOST, srv.port, timeout=5)
+    peer.client_handshake(s, SECRET)
+    return s
+
+
+def assert_closed(s: socket.socket) -> None:
+    """The server closed the connection (a close with unread input arrives as a reset)."""
+    try:
+        assert s.recv(100) == b""
+    except ConnectionResetError:
+        pass
+
+
+def wait_for_error(srv, needle: str, timeout: float = 5.0) -> list[str]:
+    """Collects server errors until one contains needle (the worker may still be finishing)."""
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        seen += srv.errors()
+        if any(needle in e for e in seen):
+            return seen
+        time.sleep(0.02)
+    raise AssertionError(f"no server error containing {needle!r}; got {seen}")
+
+
+# --- SHA-256 / HMAC-SHA256 --------------------------------------------------------------------
+
+RFC4231 = [
+    (b"\x0b" * 20, b"Hi There", "b0344c61d8db38535ca8afceaf0bf12b881dc200c9833da726e9376c2e32cff7"),
+    (b"Jefe", b"what do ya want for nothing?", "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"),
+    (b"\xaa" * 20, b"\xdd" * 50, "773ea91e36800e46854db8ebd09181a72959098b3ef8c122d9635514ced565fe"),
+    (bytes(range(1, 26)), b"\xcd" * 50, "82558a389a443c0ea4cc819899f2083a85f0faa3e578f8077a2e3ff46729665b"),
+    (b"\x0c" * 20, b"Test With Truncation", "a3b6167473100ee06e0c796c2955552b"),  # truncated to 128 bits
+    (b"\xaa" * 131, b"Test Using Larger Than Block-Size Key - Hash Key First",
+     "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54"),
+    (b"\xaa" * 131, b"This is a test using a larger than block-size key and a larger than block-size data. "
+     b"The key needs to be hashed before being used by the HMAC algorithm.",
+     "9b09ffa71b942fcb27635fbcd5b0e944bfdc63644f0713938a7f51535c3a35e2"),
+]
+
+
+@pytest.mark.parametrize("key,msg,expected", RFC4231, ids=[f"case{i + 1}" for i in range(7)])
+def test_hmac_sha256_rfc4231(key, msg, expected):
+    assert _core.hmac_sha256(key, msg).hex()[: len(expected)] == expected
+
+
+def test_sha256_fips_vectors_and_stdlib_agreement():
+    assert _core.sha256(b"abc").hex() == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+    assert _core.sha256(b"").hex() == "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+    for n in (55, 56, 63, 64, 65, 119, 120, 1000, 4097):  # every padding boundary
+        data = os.urandom(n)
+        key = os.urandom(n % 150)
+        assert _core.sha256(data) == hashlib.sha256(data).digest()
+        assert _core.hmac_sha256(key, data) == hmac.new(key, data, hashlib.sha256).digest()
+
+
+# --- round trips ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 3 * MiB + 7, 64 * MiB], ids=["empty", "1B", "3MiB", "64MiB"])
+def test_push_and_fetch_round_trip(dirs, server, nbytes):
+    base, client, _ = dirs
+    data = os.urandom(nbytes) if nbytes < MiB else os.urandom(MiB) * (nbytes // MiB) + os.urandom(nbytes % MiB)
+    write_object(client, "step-12/rank-00003-0.fpo", data)
+    r = _core.transfer_push(HOST, server.port, SECRET, client, "step-12/rank-00003-0.fpo")
+    assert r["nbytes"] == nbytes and r["crc32c"] == _core.crc32c(data) and r["attempts"] == 1
+    assert (base / "step-12" / "rank-00003-0.fpo").read_bytes() == data  # step-12/ created on the server
+
+    r = _core.transfer_fetch(HOST, server.port, SECRET, "step-12/rank-00003-0.fpo", client, "back/copy.fpo")
+    assert r["nbytes"] == nbytes and r["crc32c"] == _core.crc32c(data)
+    assert (client / "back" / "copy.fpo").read_bytes() == data
+    assert hidden_files(base) == [] and hidden_files(client) == []
+    deadline = time.monotonic() + 5  # the server counts the fetch once the client's ack arrived
+    while server.stats()["fetches_ok"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stats = server.stats()
+    assert stats["pushes_ok"] == 1 and stats["fetches_ok"] == 1
+    assert server.errors() == []
+
+
+def test_push_without_sendfile_and_from_fd(dirs, server):
+    base, client, _ = dirs
+    data = os.urandom(2 * MiB + 5)
+    p = write_object(client, "a.fpo", data)
+    _core.transfer_push(HOST, server.port, SECRET, client, "a.fpo", "copy/b.fpo", zero_copy=False)
+    assert (base / "copy" / "b.fpo").read_bytes() == data
+    with open(p, "rb") as f:
+        r = _core.transfer_push_fd(HOST, server.port, SECRET, f.fileno(), "part.fpo", offset=4097, length=MiB)
+        assert f.tell() == 0
+    assert r["nbytes"] == MiB and (base / "part.fpo").read_bytes() == data[4097:4097 + MiB]
+    # Replacing an existing object is atomic: the new content, nothing in between.
+    _core.transfer_push(HOST, server.port, SECRET, client, "a.fpo", "part.fpo")
+    assert (base / "part.fpo").read_bytes() == data
+
+
+def test_fetch_missing_object_and_refused_local_paths(dirs, server):
+    _, client, sentinel = dirs
+    with pytest.raises(_core.TransferNotFoundError, match="nope"):
+        _core.transfer_fetch(HOST, server.port, SECRET, "step-1/nope.fpo", client)
+    # The client confines its own side too: the local destination and source paths.
+    for bad in ("../sentinel/x", "/etc/passwd", "a//b", "a/./b", "a/b/", "", "a\0b"):
+        with pytest.raises(_core.TransferPathError) as info:
+            _core.transfer_fetch(HOST, server.port, SECRET, "x", client, bad)
+        assert isinstance(info.value, ValueError) and "refused" in str(info.value)
+    os.symlink(sentinel, client / "out")
+    write_object(server_base := dirs[0], "obj", b"data")
+    with pytest.raises(_core.TransferPathError, match="out"):
+        _core.transfer_fetch(HOST, server.port, SECRET, "obj", client, "out/stolen")
+    with pytest.raises(_core.TransferPathError, match="out"):
+        _core.transfer_push(HOST, server.port, SECRET, client, "out/secret.txt")
+    assert not (sentinel / "stolen").exists() and server_base.exists()
+
+
+def test_tampering_pusher_is_refused(hostile):
+    srv, base, _, _ = hostile
+    data = os.urandom(MiB + 3)
+    status, _, msg = peer.push(HOST, srv.port, SECRET, "step-1/obj.fpo", data, corrupt_at=12345)
+    assert status == peer.CHECKSUM and "CRC32C mismatch" in msg
+    assert not (base / "step-1" / "obj.fpo").exists()
+    wait_for_error(srv, "CRC32C mismatch")
+    # The same peer without tampering gets through.
+    assert peer.push(HOST, srv.port, SECRET, "step-1/obj.fpo", data)[0] == peer.OK
+    assert (base / "step-1" / "obj.fpo").read_bytes() == data
+
+
+@pytest.mark.parametrize("mode", ["corrupt", "stall"])
+def test_tampering_or_stalling_server_is_refused_by_fetch(dirs, mode):
+    _, client, _ = dirs
+    data = os.urandom(2 * MiB)
+    listener = socket.create_server((HOST, 0))
+    results: list = []
+    kwargs = {"corrupt_at": 777} if mode == "corrupt" else {"stall_after": MiB}
+    t = threading.Thread(target=peer.serve_one_fetch, args=(listener, SECRET, data),
+                         kwargs={**kwargs, "results": results})
+    t.start()
+    expected = _core.TransferChecksumError if mode == "corrupt" else _core.TransferTimeoutError
+    t0 = time.monotonic()
+    with pytest.raises(expected) as info:
+        _core.transfer_fetch(HOST, listener.getsockname()[1], SECRET, "step-1/x.fpo", client,
+                             retries=0, io_timeout_s=IO_TIMEOUT)
+    elapsed = time.monotonic() - t0
+    t.join(10)
+    listener.close()
+    assert not (client / "step-1" / "x.fpo").exists() and hidden_files(client) == []
+    if mode == "corrupt":
+        assert "CRC32C mismatch" in str(info.value)
+        assert results and results[0][0] == peer.CHECKSUM  # the client told the server
+    else:
+        assert isinstance(info.value, TimeoutError) and elapsed < IO_TIMEOUT + 2
+
+
+# --- hostile inputs against a running server --------------------------------------------------
+
+
+def test_no_handshake_is_closed_within_the_timeout(hostile):
+    srv = hostile[0]
+    with socket.create_connection((HOST, srv.port)) as s:
+        s.settimeout(IO_TIMEOUT + 3)
+        t0 = time.monotonic()
+        assert s.recv(100) == b""  # closed without a word
+        assert time.monotonic() - t0 < IO_TIMEOUT + 1.5
+    wait_for_error(srv, "timed out")
+
+
+def test_slow_peer_does_not_block_others(hostile):
+    srv, base, client, _ = hostile
+    stalled = [socket.create_connection((HOST, srv.port)) for _ in range(3)]  # as many as workers
+    try:
+        t0 = time.monotonic()
+        assert_still_serves(srv, client, base)  # queued until a stalled one times out, then served
+        assert time.monotonic() - t0 < IO_TIMEOUT + 2
+    finally:
+        for s in stalled:
+            s.close()
+
+
+def test_wrong_secret_both_directions(hostile):
+    srv, _, client, _ = hostile
+    write_object(client, "x.fpo", b"payload")
+    t0 = time.monotonic()
+    with pytest.raises(_core.TransferAuthError, match="authentication"):
+        _core.transfer_push(HOST, srv.port, b"another-jobs-secret-xx", client, "x.fpo", retries=3)
+    assert time.monotonic() - t0 < 1.0  # never retried
+    # A peer that ignores the server's proof and sends a made-up one is cut off.
+    with peer.connect(HOST, srv.port) as s:
+        s.sendall(peer.MAGIC + struct.pack("<II", 1, 0) + os.urandom(32))
+        peer.recv_exact(s, 80)
+        s.sendall(os.urandom(32) + peer.request(peer.OP_PUSH, b"evil", 4) + b"evil")
+        assert_closed(s)
+    errors = wait_for_error(srv, "failed authentication")
+    assert srv.stats()["auth_failures"] >= 1, errors
+    with pytest.raises(ValueError, match="16 bytes"):
+        _core.transfer_push(HOST, srv.port, b"short", client, "x.fpo")
+
+
+def test_wrong_magic_version_and_garbage(hostile):
+    srv = hostile[0]
+    for blob in (os.urandom(200), b"GET / HTTP/1.1\r\n\r\n" + b"x" * 40,
+                 peer.MAGIC + struct.pack("<II", 99, 0) + os.urandom(32)):
+        with peer.connect(HOST, srv.port) as s:
+            s.sendall(blob)
+            assert_closed(s)
+    errors = wait_for_error(srv, "version 99")
+    assert any("bad protocol magic" in e for e in errors)
+
+
+@pytest.mark.parametrize("path", ["../x", "a/../../x", "../sentinel/secret.txt", "/abs/x", "a//b", "./a", "a/",
+                                  "a\0b", "link/secret.txt", "link/new.fpo", "leak"])
+def test_path_traversal_is_refused(hostile, path):
+    srv, base, _, sentinel = hostile
+    os.symlink(sentinel, base / "link")
+    os.symlink(sentinel / "secret.txt", base / "leak")
+    with auth_sock(srv) as s:
+        s.sendall(peer.request(peer.OP_FETCH, path.encode(), 0))
+        status, _, msg = peer.recv_response(s)
+    assert status == peer.PATH_REFUSED and "refused" in msg, (status, msg)
+    if path != "leak":  # pushing to "leak" would replace the symlink itself (confined), tested below
+        with auth_sock(srv) as s:
+            s.sendall(peer.request(peer.OP_PUSH, path.encode(), 5))
+            status, _, msg = peer.recv_response(s)
+            assert status == peer.PATH_REFUSED and "refused" in msg, (status, msg)
+    os.unlink(base / "link")
+    os.unlink(base / "leak")
+
+
+def test_push_over_a_symlink_replaces_the_link_not_its_target(hostile):
+    srv, base, _, sentinel = hostile
+    os.symlink(sentinel / "secret.txt", base / "leak")
+    assert peer.push(HOST, srv.port, SECRET, "leak", b"new bytes")[0] == peer.OK
+    assert not (base / "leak").is_symlink() and (base / "leak").read_bytes() == b"new bytes"
+
+
+@pytest.mark.parametrize("path_len", [0, 4097, 0xFFFFFFFF])
+def test_bad_path_length_is_refused(hostile, path_len):
+    srv = hostile[0]
+    with auth_sock(srv) as s:
+        s.sendall(peer.request(peer.OP_PUSH, b"x", 1, path_len=path_len))
+        status, _, msg = peer.recv_response(s)
+        assert status == peer.BAD_REQUEST and "path length" in msg
+        assert_closed(s)
+
+
+@pytest.mark.parametrize("size", [256 * MiB + 1, 2**63, 2**64 - 1], ids=["over-max", "2^63", "minus-1"])
+def test_oversized_or_negative_size_is_refused(hostile, size):
+    srv, base, _, _ = hostile
+    with auth_sock(srv) as s:
+        s.sendall(peer.request(peer.OP_PUSH, b"big.fpo", size))
+        status, _, msg = peer.recv_response(s)
+    assert status == peer.TOO_LARGE and "max_object_bytes" in msg
+    assert not (base / "big.fpo").exists()
+
+
+def test_bad_op_and_flags_are_refused(hostile):
+    srv = hostile[0]
+    for req in (peer.request(7, b"x", 0), peer.request(peer.OP_PUSH, b"x", 1, flags=1),
+                peer.request(peer.OP_FETCH, b"x", 5)):
+        with auth_sock(srv) as s:
+            s.sendall(req)
+            assert peer.recv_response(s)[0] == peer.BAD_REQUEST
+
+
+@pytest.mark.parametrize("how", ["close", "stall", "short-then-trailer"])
+def test_truncated_push_leaves_nothing(hostile, how):
+    srv, base, _, _ = hostile
+    data = os.urandom(3 * MiB)
+    with auth_sock(srv) as s:
+        s.sendall(peer.request(peer.OP_PUSH, b"step-2/obj.fpo", len(data)))
+        assert peer.recv_response(s)[0] == peer.OK
+        s.sendall(data[: len(data) // 2])
+        if how == "stall":
+            s.settimeout(IO_TIMEOUT + 3)
+            t0 = time.monotonic()
+            assert s.recv(100) == b""
+            assert time.monotonic() - t0 < IO_TIMEOUT + 1.5
+        elif how == "short-then-trailer":
+            s.sendall(peer.trailer(len(data) // 2, peer.crc32c(data[: len(data) // 2])))
+            time.sleep(0.1)
+    wait_for_error(srv, {"close": "closed by the peer", "stall": "timed out",
+                         "short-then-trailer": "closed by the peer"}[how])
+    assert not (base / "step-2" / "obj.fpo").exists()
+
+
+def test_peer_killed_mid_transfer(hostile):
+    srv, base, _, _ = hostile
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.support.transfer_peer", "push-half", HOST, str(srv.port), SECRET.hex(),
+         "step-3/obj.fpo", str(64 * MiB)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "HALF"
+        # Mid-transfer: the temp file exists, the object does not.
+        assert not (base / "step-3" / "obj.fpo").exists() and len(hidden_files(base)) == 1
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+    wait_for_error(srv, "obj.fpo")
+    deadline = time.monotonic() + 5
+    while hidden_files(base) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not (base / "step-3" / "obj.fpo").exists()
+
+
+# --- lifecycle, errors, arguments, retries ---------------------------------------------------
+
+
+def test_stop_leaves_no_threads_or_fds(dirs):
+    base, client, _ = dirs
+    write_object(client, "o.fpo", os.urandom(MiB))
+    fds, threads = count_fds(), count_threads()
+    srv = _core.TransferServer(base, SECRET, max_connections=3, io_timeout_s=30)
+    assert count_threads() == threads + 4  # 3 workers + the accept loop
+    _core.transfer_push(HOST, srv.port, SECRET, client, "o.fpo")
+    hanging = [socket.create_connection((HOST, srv.port)) for _ in range(5)]  # busy workers + queued
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    srv.stop()
+    assert time.monotonic() - t0 < 2  # does not wait for the 30 s io timeout
+    srv.stop()  # idempotent
+    assert not srv.running
+    for s in hanging:
+        s.settimeout(2)
+        assert s.recv(10) == b""  # the server closed its end
+        s.close()
+    assert count_fds() == fds and count_threads() == threads
+    errors = srv.errors()
+    assert any("server is stopping" in e for e in errors), errors
+    assert srv.errors() == []  # cleared by the previous call
+    with pytest.raises(_core.TransferError):
+        _core.transfer_push(HOST, srv.port, SECRET, client, "o.fpo", retries=0)
+
+
+def test_bad_arguments(dirs):
+    base, client, _ = dirs
+    for kwargs in ({"secret": b"x" * 15}, {"max_connections": 0}, {"io_timeout_s": 0}, {"port": 70000},
+                   {"max_object_bytes": 0}):
+        with pytest.raises(ValueError):
+            _core.TransferServer(base, **{"secret": SECRET, **kwargs})
+    with pytest.raises(FileNotFoundError):
+        _core.TransferServer(base / "missing", SECRET)
+    with pytest.raises(TypeError):
+        _core.TransferServer(base, "a str is not a secret")
+    write_object(client, "o.fpo", b"x")
+    for kwargs in ({"io_timeout_s": -1}, {"connect_timeout_s": 0}, {"retries": -1}, {"backoff_s": -0.1}):
+        with pytest.raises(ValueError):
+            _core.transfer_push(HOST, 1234, SECRET, client, "o.fpo", **kwargs)
+    with pytest.raises(ValueError):
+        _core.transfer_push(HOST, 0, SECRET, client, "o.fpo")
+    with pytest.raises(FileNotFoundError):
+        _core.transfer_push(HOST, 1234, SECRET, client, "missing.fpo")
+
+
+def test_client_retries_connect_failures_with_backoff(dirs):
+    _, client, _ = dirs
+    write_object(client, "o.fpo", b"x")
+    probe = socket.create_server((HOST, 0))
+    port = probe.getsockname()[1]
+    probe.close()  # nothing listens there now
+    t0 = time.monotonic()
+    with pytest.raises(_core.TransferError, match="after 3 attempt") as info:
+        _core.transfer_push(HOST, port, SECRET, client, "o.fpo", retries=2, backoff_s=0.1)
+    assert 0.3 <= time.monotonic() - t0 < 2  # slept 0.1 + 0.2
+    assert isinstance(info.value, OSError) and "refused" in str(info.value).lower()
+
+
+def test_client_retries_timeouts_then_raises_timeout_error(dirs):
+    _, client, _ = dirs
+    write_object(client, "o.fpo", b"x")
+    silent = socket.create_server((HOST, 0))  # accepts (backlog) but never answers the hello
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(_core.TransferTimeoutError, match="after 2 attempt") as info:
+            _core.transfer_push(HOST, silent.getsockname()[1], SECRET, client, "o.fpo", retries=1,
+                                backoff_s=0.05, io_timeout_s=0.3)
+        assert isinstance(info.value, TimeoutError) and isinstance(info.value, _core.TransferError)
+        assert 0.6 <= time.monotonic() - t0 < 2
+    finally:
+        silent.close()
+
+
+def test_retry_succeeds_once_the_server_is_up(dirs):
+    base, client, _ = dirs
+    write_object(client, "o.fpo", b"late")
+    probe = socket.create_server((HOST, 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    holder: list = []
+    timer = threading.Timer(0.15, lambda: holder.append(_core.TransferServer(base, SECRET, port=port)))
+    timer.start()
+    try:
+        r = _core.transfer_push(HOST, port, SECRET, client, "o.fpo", retries=5, backoff_s=0.1)
+        assert r["attempts"] > 1 and (base / "o.fpo").read_bytes() == b"late"
+    finally:
+        timer.join()
+        for s in holder:
+            s.stop()
