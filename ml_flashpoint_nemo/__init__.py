@@ -15,6 +15,7 @@ from ml_flashpoint_nemo.errors import (
     MissingKeyError,
     OutOfSpaceError,
     PoolBusyError,
+    TrainerSetupError,
     UnsupportedValueError,
     VersionExistsError,
     VersionNotFoundError,
@@ -32,8 +33,19 @@ __all__ = [
     "MissingKeyError",
     "OutOfSpaceError",
     "PoolBusyError",
+    "TrainerSetupError",
     "UnsupportedValueError",
     "VersionExistsError",
     "VersionNotFoundError",
     "__version__",
+    "wrap_trainer_with_flashpoint",
 ]
+
+
+def __getattr__(name: str):
+    # NeMo is imported only by those who use the NeMo integration.
+    if name == "wrap_trainer_with_flashpoint":
+        from ml_flashpoint_nemo.nemo.wrap import wrap_trainer_with_flashpoint
+
+        return wrap_trainer_with_flashpoint
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

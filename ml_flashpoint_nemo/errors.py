@@ -66,3 +66,7 @@ class LoadMismatchError(FlashpointError, ValueError):
 
 class ManagerStartError(FlashpointError):
     """The multiprocessing Manager needed by async saves failed to start or did not start in time."""
+
+
+class TrainerSetupError(FlashpointError):
+    """The trainer cannot be wired for flashpoint checkpoints as configured (strategy, checkpoint IO, options)."""

@@ -1,0 +1,210 @@
+"""FlashpointCheckpointIO: RAM saves for flashpoint checkpoints, the trainer's own IO for everything else.
+
+It wraps the strategy's existing checkpoint IO (MegatronCheckpointIO, possibly inside
+AsyncFinalizableCheckpointIO). A save goes to RAM only when it carries the explicit
+marker (storage_options[FLASHPOINT_SAVE]) and its path really lies inside the RAM base
+directory; every other save goes to the wrapped IO unchanged. RAM saves finalize on their
+own queue, so they never wait behind a slow durable save. Loads of paths inside the base
+directory go through the flashpoint load strategy (found from metadata.json), others to
+the wrapped IO.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lightning.fabric.plugins import CheckpointIO
+from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+from nemo.lightning.io.pl import MegatronCheckpointIO
+from nemo.utils.callbacks.dist_ckpt_io import AsyncFinalizableCheckpointIO
+
+from ml_flashpoint_nemo.core.layout import CheckpointLayout
+from ml_flashpoint_nemo.core.manager import ManagerFuture
+from ml_flashpoint_nemo.core.versions import read_commit, retire_version
+from ml_flashpoint_nemo.dcp.storage_info import step_of_checkpoint_id
+from ml_flashpoint_nemo.errors import BaseDirError, FlashpointError, TrainerSetupError
+from ml_flashpoint_nemo.megatron.strategies import FlashpointSaveStrategy
+from ml_flashpoint_nemo.nemo.settings import FlashpointSettings
+
+logger = logging.getLogger(__name__)
+
+FLASHPOINT_SAVE = "flashpoint_save"  # the storage_options key that marks a RAM save
+
+
+@dataclass(frozen=True)
+class SaveOutcome:
+    """One flashpoint save as the callback reports it."""
+
+    step: int
+    staging_s: float  # dist_checkpointing.save's blocking part: planning and the staging copy
+    nbytes: int = 0  # of the whole job's version, from its commit record
+    error: str | None = None
+
+
+def innermost_checkpoint_io(checkpoint_io: CheckpointIO) -> CheckpointIO:
+    while isinstance(checkpoint_io, _WrappingCheckpointIO):
+        checkpoint_io = checkpoint_io.checkpoint_io
+    return checkpoint_io
+
+
+class FlashpointCheckpointIO(AsyncFinalizableCheckpointIO):
+    """Routes marked saves to RAM versions under settings.base_dir; everything else to `durable`.
+
+    It is an AsyncFinalizableCheckpointIO so that NeMo's ModelCheckpoint and
+    AsyncFinalizerCallback keep working when the durable save is async; its own
+    flashpoint queue is finalized by maybe_finalize_save_checkpoint too.
+    """
+
+    def __init__(
+        self, durable: CheckpointIO, settings: FlashpointSettings, *, manager_future: ManagerFuture | None = None
+    ) -> None:
+        if not isinstance(innermost_checkpoint_io(durable), MegatronCheckpointIO):
+            raise TrainerSetupError(
+                f"flashpoint needs the strategy's checkpoint IO to be NeMo's MegatronCheckpointIO (possibly wrapped), "
+                f"got {type(innermost_checkpoint_io(durable)).__name__}"
+            )
+        # Not AsyncFinalizableCheckpointIO.__init__: the durable IO may well be synchronous.
+        _WrappingCheckpointIO.__init__(self, durable)
+        self.settings = settings
+        self.layout = CheckpointLayout(settings.base_dir)
+        self.flashpoint_strategy = FlashpointSaveStrategy(
+            keep=settings.keep, checksum=settings.checksum, threads=settings.threads, manager_future=manager_future
+        )
+        self.flashpoint_queue = AsyncCallsQueue(persistent=settings.persistent_worker)
+        self.outcomes: list[SaveOutcome] = []  # finalized saves not yet reported by the callback
+        self._pending: deque[int] = deque()  # steps scheduled on the flashpoint queue, oldest first
+        self._save_strategy: Any = None
+        self._validated = False
+
+    # --- routing ------------------------------------------------------------------------------
+
+    def is_ram_path(self, path: str | os.PathLike[str]) -> bool:
+        """True when path resolves inside the base directory (real containment, symlinks resolved)."""
+        base = os.path.realpath(self.layout.base_dir)
+        target = os.path.realpath(path)
+        return os.path.commonpath([base, target]) == base
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        if storage_options and storage_options.get(FLASHPOINT_SAVE):
+            options = dict(storage_options)
+            options.pop(FLASHPOINT_SAVE)
+            self._save_to_ram(checkpoint, path, options)
+            return
+        if self.is_ram_path(path):
+            raise BaseDirError(
+                f"a durable checkpoint was asked to go to {path}, inside the RAM checkpoint directory "
+                f"{self.layout.base_dir}; point the durable checkpoint directory elsewhere"
+            )
+        self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options)
+
+    def load_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        # A RAM version's metadata.json names the flashpoint load strategy, which Megatron picks.
+        target = innermost_checkpoint_io(self.checkpoint_io) if self.is_ram_path(path) else self.checkpoint_io
+        return target.load_checkpoint(path, *args, **kwargs)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        if not self.is_ram_path(path):
+            self.checkpoint_io.remove_checkpoint(path)
+            return
+        # Lightning calls this on global rank 0 only: it removes that node's copy of the version.
+        # Every node's copies of superseded versions are retired by that node's own next save.
+        step = step_of_checkpoint_id(self.layout, path)
+        retire_version(self.layout, step, rank=None)
+
+    # --- RAM saves ----------------------------------------------------------------------------
+
+    @property
+    def save_strategy(self) -> Any:
+        if self._save_strategy is None:
+            strategy: Any = self.flashpoint_strategy
+            if self.settings.parallel_save:
+                from megatron.core.parallel_state import get_data_parallel_group
+
+                group = get_data_parallel_group(with_context_parallel=True)
+                strategy = FullyParallelSaveStrategyWrapper(strategy, group, do_cache_distribution=True)
+            self._save_strategy = strategy
+        return self._save_strategy
+
+    def _save_to_ram(self, checkpoint: dict[str, Any], path: Any, options: dict[str, Any]) -> None:
+        step = step_of_checkpoint_id(self.layout, path)
+        directory = self.layout.version_dir(step)
+        directory.mkdir(parents=True, exist_ok=True)
+        started = time.perf_counter()
+        request = dist_checkpointing.save(
+            sharded_state_dict=checkpoint,
+            checkpoint_dir=str(directory),
+            sharded_strategy=self.save_strategy,
+            validate_access_integrity=not self._validated,
+            async_sharded_save=self._async,
+            content_metadata=options.get("content_metadata"),
+        )
+        self._validated = True
+        blocking = time.perf_counter() - started
+        if request is None:
+            self.outcomes.append(self._outcome(step, blocking))
+            return
+        request.add_finalize_fn(lambda: self.outcomes.append(self._outcome(self._pending.popleft(), blocking)))
+        self._pending.append(step)
+        self.flashpoint_queue.schedule_async_request(request)
+
+    @property
+    def _async(self) -> bool:
+        if self.settings.async_save is not None:
+            return self.settings.async_save
+        return isinstance(self.checkpoint_io, AsyncFinalizableCheckpointIO)
+
+    def _outcome(self, step: int, staging_s: float) -> SaveOutcome:
+        commit = read_commit(self.layout, step)
+        return SaveOutcome(step, staging_s, sum(o.nbytes for o in commit.objects))
+
+    def finalize_flashpoint(self, blocking: bool = False) -> bool:
+        """Finalize finished RAM saves (collective). A failed save is logged and reported, never raised:
+        the previous version is intact and training goes on."""
+        if self.flashpoint_queue.get_num_unfinalized_calls() == 0:
+            return False
+        try:
+            return bool(self.flashpoint_queue.maybe_finalize_async_calls(blocking))
+        except FlashpointError as exc:
+            logger.error("Flashpoint save failed, training continues and the previous RAM version is kept: %s", exc)
+            step = self._pending.popleft() if self._pending else -1
+            self.outcomes.append(SaveOutcome(step=step, staging_s=0.0, error=str(exc)))
+            return True
+
+    # --- AsyncFinalizableCheckpointIO ---------------------------------------------------------
+
+    @property
+    def async_calls_queue(self) -> AsyncCallsQueue:  # type: ignore[override]
+        """The durable IO's queue when it has one (NeMo's finalizer callback inspects it)."""
+        return getattr(self.checkpoint_io, "async_calls_queue", self.flashpoint_queue)
+
+    def maybe_finalize_save_checkpoint(self, blocking: bool = False) -> bool:
+        finalized = self.finalize_flashpoint(blocking)
+        durable_finalize = getattr(self.checkpoint_io, "maybe_finalize_save_checkpoint", None)
+        if durable_finalize is not None:
+            finalized = bool(durable_finalize(blocking)) or finalized
+        return finalized
+
+    def close(self) -> None:
+        """Finish pending RAM saves and stop the flashpoint worker and Manager (RAM versions stay)."""
+        if self.flashpoint_queue.get_num_unfinalized_calls() > 0:
+            self.finalize_flashpoint(blocking=True)
+        self.flashpoint_queue.close()
+        self.flashpoint_strategy.close()
+
+    def teardown(self) -> None:
+        self.close()
+        self.checkpoint_io.teardown()
+
+
+def version_path(settings: FlashpointSettings, step: int) -> Path:
+    """Where the RAM version of a global step lives."""
+    return CheckpointLayout(settings.base_dir).version_dir(step)

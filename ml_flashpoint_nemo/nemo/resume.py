@@ -1,0 +1,115 @@
+"""Resuming a NeMo trainer from RAM: the newest version complete across the job, else the durable checkpoint.
+
+The choice needs collectives (every rank must resume from the same version, checked on
+every rank), and NeMo's AutoResume runs before the process group exists. So the choice is
+made where the process group is up and the checkpoint has not been read yet: at the start
+of Lightning's checkpoint restore (`_CheckpointConnector.resume_start`, which every rank
+calls, with or without a path). There the trainer's own choice (the durable checkpoint
+NeMo's AutoResume found, or none) is compared with the agreed RAM version; the newer one
+is loaded, the RAM version on a tie, and every skipped RAM version is logged with why.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from lightning.pytorch.trainer.states import TrainerFn
+from nemo.lightning.resume import AutoResume
+
+from ml_flashpoint_nemo.core.recovery import choose_version
+from ml_flashpoint_nemo.nemo.settings import FlashpointSettings
+
+logger = logging.getLogger(__name__)
+
+def durable_step(path: Any) -> int | None:
+    """The global step saved in a durable NeMo checkpoint (its common state), None if it cannot be read."""
+    if not path:
+        return None
+    try:
+        from megatron.core import dist_checkpointing
+
+        return int(dist_checkpointing.load_common_state_dict(str(path))["global_step"])
+    except Exception as exc:  # noqa: BLE001 - an unreadable durable checkpoint is reported, RAM preferred
+        logger.warning("Cannot read the global step of the durable checkpoint %s (%s); preferring RAM", path, exc)
+        return None
+
+
+@dataclass(frozen=True)
+class ResumeDecision:
+    path: Any
+    source: str  # "ram", "durable" or "none"
+    ram_step: int | None
+
+
+def decide(settings: FlashpointSettings, trainer_path: Any) -> ResumeDecision:
+    """Collective. RAM version if one is complete everywhere and not older than the durable checkpoint."""
+    choice = choose_version(settings.base_dir)
+    durable = durable_step(trainer_path)
+    if choice.step is not None and (trainer_path is None or durable is None or choice.step >= durable):
+        return ResumeDecision(choice.path(settings.base_dir), "ram", choice.step)
+    if choice.step is not None:
+        logger.info("Durable checkpoint %s (step %s) is newer than RAM step %d; resuming from it",
+                    trainer_path, durable, choice.step)
+    elif choice.skipped or trainer_path:
+        logger.warning("No RAM checkpoint usable on every rank; %s",
+                       f"falling back to the durable checkpoint {trainer_path}" if trainer_path
+                       else "no durable checkpoint either: training starts from scratch")
+    return ResumeDecision(trainer_path, "durable" if trainer_path else "none", choice.step)
+
+
+def install_resume_choice(trainer: Any, settings: FlashpointSettings, *, enabled: bool | None = None) -> None:
+    """Make the trainer's checkpoint restore pick the RAM version when it should (idempotent).
+
+    enabled (default: settings.resume) can be changed by a later call, e.g. by FlashpointAutoResume.
+    """
+    if enabled is not None or not hasattr(trainer, "_flashpoint_resume_enabled"):
+        trainer._flashpoint_resume_enabled = settings.resume if enabled is None else enabled
+    connector = trainer._checkpoint_connector
+    if getattr(connector.resume_start, "_flashpoint", False):
+        return
+    original: Callable[..., None] = connector.resume_start
+
+    def resume_start(checkpoint_path: Any = None) -> None:
+        started = time.perf_counter()
+        if trainer._flashpoint_resume_enabled and trainer.state.fn == TrainerFn.FITTING:
+            decision = decide(settings, checkpoint_path)
+            trainer._flashpoint_resume = decision
+            checkpoint_path = decision.path
+        original(checkpoint_path)
+        trainer._flashpoint_restore_seconds = time.perf_counter() - started  # choosing + reading
+
+    resume_start._flashpoint = True  # type: ignore[attr-defined]
+    connector.resume_start = resume_start
+
+
+@dataclass(kw_only=True)
+class FlashpointAutoResume(AutoResume):
+    """NeMo's AutoResume, plus resuming from the newest RAM version complete across the job.
+
+    The durable checkpoint is found exactly as NeMo's AutoResume finds it, from this
+    object's own AutoResume fields or from `durable`, an AutoResume to wrap; it is the
+    fallback when no RAM version is complete and intact on every rank. The trainer must be
+    wired for flashpoint (wrap_trainer_with_flashpoint or FlashpointCallback); the RAM
+    version is chosen when the trainer restores, once the process group is up.
+    """
+
+    durable: AutoResume | None = None
+    flashpoint: bool = True
+
+    def __post_init__(self) -> None:
+        if self.durable is not None:  # NeMoLogger reads resume_if_exists from the resume it is given
+            self.resume_if_exists = self.durable.resume_if_exists
+
+    def setup(self, trainer: Any, model: Any = None) -> None:
+        if self.durable is not None:
+            self.durable.setup(trainer, model)
+        else:
+            super().setup(trainer, model)
+        from ml_flashpoint_nemo.nemo.wrap import flashpoint_settings_of
+
+        settings = flashpoint_settings_of(trainer)
+        if settings is not None:
+            install_resume_choice(trainer, settings, enabled=self.flashpoint)

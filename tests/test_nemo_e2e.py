@@ -1,0 +1,100 @@
+"""Real NeMo trainers on 2 CPU ranks: train, RAM checkpoints, SIGKILL, restart, resume - and the fallbacks.
+
+Each run is 2 real rank processes (gloo) started by examples/launch.py; the CPU stand-ins for
+CUDA-only calls come from examples/cpu_shims.py (no GPU here). A resumed run must match an
+uninterrupted one bit for bit: losses, parameters and optimizer state.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.multiproc import REPO
+
+sys.path.insert(0, str(REPO / "examples"))
+
+from launch import launch_ranks  # noqa: E402
+from quickstart import compare  # noqa: E402
+
+STEPS = 8
+
+
+def train(out: Path, phase: str, base: Path, *flags: str, expect: int = 0) -> dict:
+    code = launch_ranks(str(REPO / "tests" / "support" / "nemo_train.py"),
+                        ["--steps", str(STEPS), "--out", str(out / phase), "--base", str(base), *flags],
+                        timeout=400, log_dir=out / phase)
+    log = (out / phase / "rank-0.log").read_text()
+    assert code == expect, f"{phase} exited with {code}, expected {expect}\n{log[-4000:]}"
+    result = out / phase / "result.json"
+    return {"log": log, **(json.loads(result.read_text()) if result.exists() else {})}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The uninterrupted run every scenario is compared with (no flashpoint at all)."""
+    out = tmp_path_factory.mktemp("nemo-reference")
+    train(out, "reference", out / "unused-base", "--route", "none")
+    return out
+
+
+def link_reference(reference: Path, out: Path) -> None:
+    (out / "reference").symlink_to(reference / "reference")
+
+
+def test_quickstart_recovers_from_ram_bit_exact(tmp_path):
+    done = subprocess.run([sys.executable, "examples/quickstart.py", "--out", str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "PASS: training after the crash matches the uninterrupted run bit for bit" in done.stdout
+    assert "resumed from RAM step 6" in done.stdout
+
+
+@pytest.mark.parametrize(
+    "case, ram_every, kill_at, expected",
+    [
+        ("ram newer", 2, 5, ("ram", "step-4")),  # RAM step 4, durable step 3
+        ("ram lost", 2, 5, ("durable", "step=2")),  # durable step 3 (NeMo names it step=2)
+        ("durable newer", 4, 7, ("durable", "step=5")),  # RAM step 4, durable step 6
+    ],
+)
+def test_durable_checkpoint_is_the_fallback_and_the_newer_one_wins(reference, tmp_path, shm_dir, case, ram_every,
+                                                                   kill_at, expected):
+    link_reference(reference, tmp_path)
+    flags = ("--durable-every", "3", "--durable-dir", str(tmp_path / "durable"), "--every", str(ram_every))
+    train(tmp_path, "crash", shm_dir, *flags, "--kill-at", str(kill_at), expect=-9)
+    if case == "ram lost":  # the node lost its RAM (reboot, another job cleaned /dev/shm, ...)
+        for version in shm_dir.glob("step-*"):
+            subprocess.run(["rm", "-rf", str(version)], check=True)
+    resumed = train(tmp_path, "resume", shm_dir, *flags)
+    source, path_part = expected
+    assert resumed["resumed_from"] == source and path_part in resumed["resumed_path"], resumed["resumed_path"]
+    if case == "ram lost":
+        assert "falling back to the durable checkpoint" in resumed["log"]
+    assert compare(tmp_path, resumed_from=source) == []
+
+
+def test_corrupted_ram_version_falls_back_to_the_older_one_with_a_warning(reference, tmp_path, shm_dir):
+    link_reference(reference, tmp_path)
+    train(tmp_path, "crash", shm_dir, "--every", "2", "--kill-at", "5", expect=-9)
+    obj = shm_dir / "step-4" / "rank-00001-0.fpo"
+    data = bytearray(obj.read_bytes())
+    data[100] ^= 0x08  # inside rank 1's first record
+    obj.write_bytes(bytes(data))
+    resumed = train(tmp_path, "resume", shm_dir, "--every", "2")
+    assert resumed["resumed_from"] == "ram" and resumed["resumed_path"].endswith("step-2"), resumed["resumed_path"]
+    assert "RAM checkpoint step 4 is not used" in resumed["log"] and "ChecksumError" in resumed["log"]
+    assert compare(tmp_path) == []
+
+
+def test_callback_config_alone_wires_the_trainer_and_resumes_from_ram(reference, tmp_path, shm_dir):
+    link_reference(reference, tmp_path)
+    train(tmp_path, "crash", shm_dir, "--route", "callback_config", "--every", "2", "--kill-at", "5", expect=-9)
+    resumed = train(tmp_path, "resume", shm_dir, "--route", "callback_config", "--every", "2")
+    assert resumed["resumed_from"] == "ram", resumed
+    assert [s["step"] for s in resumed["saves"]] == [6, 8], resumed["saves"]
+    assert compare(tmp_path) == []

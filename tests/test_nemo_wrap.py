@@ -1,0 +1,70 @@
+"""wrap_trainer_with_flashpoint on real NeMo trainers: the clear outcomes of each way to call it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from ml_flashpoint_nemo.errors import BaseDirError
+from ml_flashpoint_nemo.nemo.job import default_base_dir, job_id_from_environment
+from tests.support.multiproc import REPO
+
+
+@pytest.fixture(scope="module")
+def checks(tmp_path_factory) -> dict[str, str]:
+    base = tmp_path_factory.mktemp("wrap") / "base"
+    done = subprocess.run([sys.executable, "-m", "tests.support.nemo_wrap_checks", str(base)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line and line.split()[0].isupper()]
+    return {line.split()[0]: line.split(" ", 1)[1] for line in lines}
+
+
+def test_missing_job_id_says_what_to_set(checks):
+    assert checks["NO_JOB_ID"].startswith("BaseDirError"), checks
+    assert "FLASHPOINT_BASE_DIR" in checks["NO_JOB_ID"] and "FLASHPOINT_JOB_ID" in checks["NO_JOB_ID"]
+
+
+def test_trainer_without_megatron_strategy_is_refused(checks):
+    assert checks["WRONG_STRATEGY"].startswith("TrainerSetupError") and "MegatronStrategy" in checks["WRONG_STRATEGY"]
+
+
+def test_bad_and_unknown_options_are_refused(checks):
+    assert checks["BAD_OPTION"].startswith("TrainerSetupError") and "every_n_steps" in checks["BAD_OPTION"]
+    assert checks["UNKNOWN_OPTION"].startswith("TrainerSetupError") and "evry_n_steps" in checks["UNKNOWN_OPTION"]
+
+
+def test_wrapping_twice_changes_nothing_and_wraps_the_durable_io(checks):
+    assert checks["TWICE"] == "same_callback True one_callback True io_wraps_durable True", checks
+
+
+def test_default_base_dir_comes_from_the_job_id(checks):
+    assert checks["JOB_ID_BASE"] == "/dev/shm/ml_flashpoint/4242"
+
+
+def test_wrap_returns_quickly(checks):
+    # The DESIGN budget is 50 ms (benchmarks measure it); a generous bound here catches a blocking spawn.
+    assert float(checks["WRAP_MS"]) < 1000, checks
+
+
+@pytest.mark.parametrize(
+    "environ, expected",
+    [
+        ({"SLURM_JOB_ID": "123"}, "123"),
+        ({"SLURM_ARRAY_JOB_ID": "77", "SLURM_ARRAY_TASK_ID": "3", "SLURM_JOB_ID": "80"}, "77_3"),
+        ({"TORCHELASTIC_RUN_ID": "none"}, None),  # torchrun's default names nothing
+        ({"TORCHELASTIC_RUN_ID": "abc-1"}, "abc-1"),
+        ({"FLASHPOINT_JOB_ID": "../../etc", "SLURM_JOB_ID": "1"}, "etc"),  # made safe for a path
+        ({}, None),
+    ],
+)
+def test_job_id_from_environment(environ, expected):
+    assert job_id_from_environment(environ) == expected
+
+
+def test_explicit_base_dir_wins_and_no_id_is_an_error():
+    assert str(default_base_dir({"FLASHPOINT_BASE_DIR": "/dev/shm/x", "SLURM_JOB_ID": "1"})) == "/dev/shm/x"
+    with pytest.raises(BaseDirError, match="FLASHPOINT_JOB_ID"):
+        default_base_dir({})
