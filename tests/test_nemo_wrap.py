@@ -68,3 +68,11 @@ def test_explicit_base_dir_wins_and_no_id_is_an_error():
     assert str(default_base_dir({"FLASHPOINT_BASE_DIR": "/dev/shm/x", "SLURM_JOB_ID": "1"})) == "/dev/shm/x"
     with pytest.raises(BaseDirError, match="FLASHPOINT_JOB_ID"):
         default_base_dir({})
+
+
+def test_recipe_plugin_adds_the_callback_config_and_wraps_the_resume(checks):
+    assert checks["PLUGIN_CONFIG"] == "callbacks 1 resume FlashpointAutoResume durable True job_id exp-123", checks
+
+
+def test_trainer_built_from_the_plugged_recipe_is_wired_at_setup(checks):
+    assert checks["PLUGIN_TRAINER"] == "wired True every 7 auto_resume True", checks

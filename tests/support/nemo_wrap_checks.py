@@ -9,6 +9,8 @@ import os
 import sys
 import time
 
+from ml_flashpoint_nemo.nemo.checkpoint_io import FlashpointCheckpointIO
+
 
 def trainer(strategy=None):
     from nemo import lightning as nl
@@ -31,7 +33,7 @@ def main() -> None:
     from lightning.pytorch.strategies import SingleDeviceStrategy
 
     from ml_flashpoint_nemo import wrap_trainer_with_flashpoint
-    from ml_flashpoint_nemo.nemo import FlashpointCallback, FlashpointCheckpointIO
+    from ml_flashpoint_nemo.nemo import FlashpointCallback
 
     base = sys.argv[1]
     print("NO_JOB_ID", outcome(lambda: wrap_trainer_with_flashpoint(trainer())), flush=True)
@@ -54,8 +56,37 @@ def main() -> None:
     from_env = trainer()
     wrap_trainer_with_flashpoint(from_env)
     print("JOB_ID_BASE", from_env._flashpoint.settings.base_dir)
-    for t in (wired, from_env):
+    plugin_trainer = recipe_with_plugin(base)
+    for t in (wired, from_env, plugin_trainer):
         t._flashpoint.io.close()
+
+
+def recipe_with_plugin(base: str):
+    """A real NeMo 2.0 recipe + FlashpointPlugin, its trainer built from the config (on CPU) and set up."""
+    import fiddle as fdl
+    import nemo_run as run
+    from nemo.collections import llm
+
+    from ml_flashpoint_nemo.nemo import FlashpointAutoResume, FlashpointCallback, FlashpointPlugin
+
+    recipe = llm.llama3_8b.pretrain_recipe(name="flashpoint", dir=base, num_nodes=1, num_gpus_per_node=1)
+    durable_resume = recipe.resume
+    plugin = FlashpointPlugin(every_n_steps=7, base_dir=base)
+    plugin.assign("exp-123")
+    executor = run.LocalExecutor()
+    plugin.setup(recipe, executor)
+    plugin.setup(recipe, executor)  # twice: still one callback, resume wrapped once
+    configs = [c for c in recipe.trainer.callbacks if getattr(c, "__fn_or_cls__", None) is FlashpointCallback]
+    resume = fdl.build(recipe.resume)
+    print("PLUGIN_CONFIG callbacks", len(configs), "resume", type(resume).__name__,
+          "durable", resume.durable == fdl.build(durable_resume), "job_id", executor.env_vars.get("FLASHPOINT_JOB_ID"))
+    recipe.trainer.accelerator, recipe.trainer.devices = "cpu", 1  # the recipe targets GPUs
+    trainer = fdl.build(recipe.trainer)
+    callback = next(c for c in trainer.callbacks if isinstance(c, FlashpointCallback))
+    callback.setup(trainer, None, "fit")  # what Lightning does at fit
+    print("PLUGIN_TRAINER wired", isinstance(trainer.strategy.checkpoint_io, FlashpointCheckpointIO),
+          "every", trainer._flashpoint.settings.every_n_steps, "auto_resume", isinstance(resume, FlashpointAutoResume))
+    return trainer
 
 
 if __name__ == "__main__":
