@@ -29,7 +29,7 @@ DESIGN.md §3 and §8 give the budgets this script checks; every line has `targe
                      script imported nemo.lightning first / did not import NeMo.
 
 Megatron and DCP run in a single-process gloo group (world size 1). On a CPU-only torch,
-Megatron's dist_checkpointing needs the two CUDA shims of tests/support/megatron_cpu.py;
+Megatron's dist_checkpointing needs the two CUDA shims of examples/cpu_shims.py (install_for_checkpointing);
 they are installed before megatron is imported and the output says so. The state is a
 few large tensors (~90% of the bytes) and ~500 small ones, random values from a fixed
 seed; every figure is the median of --runs runs; gbps counts tensor bytes (1 GB = 1e9 B).
@@ -74,12 +74,13 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(REPO)]  # bench_core, 
 
 import torch  # noqa: E402
 
-from tests.support import megatron_cpu  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # examples/cpu_shims.py
+import cpu_shims  # noqa: E402
 
 # Must run before megatron is imported: dist_checkpointing calls torch.cuda.current_device()
 # and torch.cuda.synchronize(), which a CPU-only torch refuses. A no-op when CUDA is present.
 MEGATRON_CPU_SHIM = not torch.cuda.is_available()
-megatron_cpu.install()
+cpu_shims.install_for_checkpointing()
 
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
@@ -361,7 +362,7 @@ def blocking_row(gc_on: tuple[Result, Parts], gc_off: tuple[Result, Parts], stag
         ".schedule_async_request; stage_copy_seconds = CheckpointSaver.stage_object inside "
         "it; finalize (maybe_finalize_async_calls(blocking=True)) untimed; ratio against the faster staging copy; "
         "gc_off_* = the same with Python's GC disabled. "
-        + ("CPU-only torch: tests/support/megatron_cpu.install() shims torch.cuda.synchronize/current_device"
+        + ("CPU-only torch: examples/cpu_shims.install_for_checkpointing() shims torch.cuda.synchronize/current_device"
            if MEGATRON_CPU_SHIM else "CUDA present: no shim"),
     )
 

@@ -111,14 +111,24 @@ def _patch_nemo_io_pl(module: Any) -> None:
     module._fix_tensors_device = lambda ckpt: ckpt
 
 
+def install_for_checkpointing() -> None:
+    """Shims 1 and 2 only: enough for megatron.core.dist_checkpointing (tests, benchmarks).
+
+    Without the function mode of install(), so timings of torch calls are not distorted.
+    """
+    if torch.cuda.is_available():
+        return
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.current_device = lambda: "cpu"
+
+
 def install() -> None:
     """Installs the shims listed in the module docstring; no-op with CUDA or when already installed."""
     if torch.cuda.is_available() or getattr(torch.cuda, _FLAG, False):
         return
     setattr(torch.cuda, _FLAG, True)
 
-    torch.cuda.synchronize = lambda *args, **kwargs: None
-    torch.cuda.current_device = lambda: "cpu"
+    install_for_checkpointing()
     torch.cuda.Stream = lambda *args, **kwargs: None
     torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
 

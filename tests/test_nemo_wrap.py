@@ -76,3 +76,8 @@ def test_recipe_plugin_adds_the_callback_config_and_wraps_the_resume(checks):
 
 def test_trainer_built_from_the_plugged_recipe_is_wired_at_setup(checks):
     assert checks["PLUGIN_TRAINER"] == "wired True every 7 auto_resume True", checks
+
+
+def test_callback_saves_every_n_steps_skipping_durable_steps_unless_told_or_disabled(checks):
+    # every 2 steps; ModelCheckpoint every 3: skip 6 and 12 / keep them / disabled
+    assert checks["SHOULD_SAVE"] == "2,4,8,10 2,4,6,8,10,12 -", checks

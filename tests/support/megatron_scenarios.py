@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
-from tests.support import megatron_cpu
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))  # examples/cpu_shims.py
+import cpu_shims  # noqa: E402
 
-megatron_cpu.install()
+cpu_shims.install_for_checkpointing()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

@@ -52,6 +52,7 @@ def main() -> None:
     print("TWICE same_callback", first is second,
           "one_callback", sum(isinstance(c, FlashpointCallback) for c in wired.callbacks) == 1,
           "io_wraps_durable", isinstance(io, FlashpointCheckpointIO) and io.checkpoint_io is durable)
+    print("SHOULD_SAVE", should_save_steps(base))
     os.environ["SLURM_JOB_ID"] = "4242"
     from_env = trainer()
     wrap_trainer_with_flashpoint(from_env)
@@ -59,6 +60,22 @@ def main() -> None:
     plugin_trainer = recipe_with_plugin(base)
     for t in (wired, from_env, plugin_trainer):
         t._flashpoint.io.close()
+
+
+def should_save_steps(base: str) -> str:
+    """Steps 1-12 at which the callback saves: every 2, skipping the durable ModelCheckpoint's every 3."""
+    from nemo.lightning.pytorch.callbacks import ModelCheckpoint
+
+    from ml_flashpoint_nemo import wrap_trainer_with_flashpoint
+
+    found = []
+    for options in ({}, {"skip_durable_steps": False}, {"enabled": False}):
+        t = trainer()
+        t.callbacks.append(ModelCheckpoint(every_n_train_steps=3))
+        callback = wrap_trainer_with_flashpoint(t, base_dir=base, every_n_steps=2, **options)
+        found.append(",".join(str(step) for step in range(1, 13) if callback.should_save(t, step)) or "-")
+        t._flashpoint.io.close()
+    return " ".join(found)
 
 
 def recipe_with_plugin(base: str):
