@@ -68,15 +68,23 @@ def test_each_node_resumes_from_its_own_copy_of_the_version(two_nodes):
     assert chosen(two_nodes, 2) == {"CHOSEN 2"}
 
 
-def test_version_not_committed_on_one_node_is_skipped_everywhere(two_nodes):
+def test_commit_record_missing_on_one_node_is_fetched_from_its_peer(two_nodes):
     exchange_objects(two_nodes)
     (Path(two_nodes[1]) / "step-2" / "COMMIT").unlink()
+    assert chosen(two_nodes, 2) == {"CHOSEN 2"}
+    assert (Path(two_nodes[1]) / "step-2" / "COMMIT").is_file()
+
+
+def test_objects_only_on_another_node_are_fetched_before_resuming(two_nodes):
+    # rank 0's object (with the replicated tensors) was never on node 1: recovery fetches it, verified
+    assert chosen(two_nodes, 2) == {"CHOSEN 2"}
+    assert (Path(two_nodes[1]) / "step-2" / "rank-00000-0.fpo").is_file()
+
+
+def test_version_whose_only_copy_is_corrupt_is_skipped_everywhere(two_nodes):
+    # node 0 holds the only copy of rank 0's step-2 object (no replication here) and it is flipped
+    flip(Path(two_nodes[0]) / "step-2" / "rank-00000-0.fpo")
     assert chosen(two_nodes, 2) == {"CHOSEN 1"}
-
-
-def test_objects_only_on_another_node_mean_no_ram_version(two_nodes):
-    # rank 0's object (with the replicated tensors) is not on node 1: resuming there would fail mid-load
-    assert chosen(two_nodes, 2) == {"CHOSEN None"}
 
 
 def test_saved_world_size_must_match(one_node):

@@ -54,6 +54,10 @@ def _local_problem(layout: CheckpointLayout, step: int, rank: int, world_size: i
 
 def choose_version(base_dir: str | os.PathLike[str]) -> RecoveryChoice:
     """Collective: the newest step every rank can resume from, checked on every rank."""
+    if dist.get_world_size() > 1:  # first fetch what this node lacks (objects, version files) from peers
+        from ml_flashpoint_nemo.replication.recovery import fetch_missing_from_peers
+
+        fetch_missing_from_peers(base_dir)
     layout = CheckpointLayout(base_dir)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     local = set(committed_steps(layout))

@@ -159,8 +159,11 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         checksum: bool = True,
         threads: int | None = None,
         manager_future: ManagerFuture | None = None,
+        replication: Any = None,
     ) -> None:
         super().__init__(BACKEND, VERSION)
+        self.replication_config = replication  # a replication.ReplicationConfig; None: the defaults (factor 2)
+        self._replication: Any = None
         self.keep = keep
         self.checksum = checksum
         self.threads = threads or default_copy_threads()
@@ -214,6 +217,9 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         if not reuse_plan or self._nodes is None:
             self._nodes = _NodeCopies.discover(writer.layout.base_dir, self._nodes)
         nodes = self._nodes
+        replication = self._replication_service(writer.layout.base_dir, nodes.topology)
+        # The previous version survives while the newest is not replicated on every rank.
+        writer.keep = replication.keep_for_next_save(self.keep)
         pyt_state_dict = mcore_to_pyt_state_dict(sharded_state_dict, False)
         (writer, global_metadata, _), central_plan, local_plan, _, _ = save_state_dict_async_plan(
             pyt_state_dict,
@@ -233,10 +239,20 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         def finalize() -> None:
             _finalize_save(writer, global_metadata, report_queue)
             nodes.copy_version_to_every_node(writer.layout, writer.step)
+            replication.replicate(writer.step)  # in the background, never blocks training
 
         if writer.staged is None:  # staging failed: nothing to write, finalize reports it on every rank
             return AsyncRequest(None, (), [finalize])
         return AsyncRequest(seal_and_report, (writer.staged.seal_job, self.threads, report_queue), [finalize])
+
+    def _replication_service(self, base_dir: Path, topology: NodeTopology) -> Any:
+        """The replication service, started (collectively, on several nodes) at the first save."""
+        if self._replication is None:
+            from ml_flashpoint_nemo.replication.service import ReplicationConfig, ReplicationService
+
+            self._replication = ReplicationService.start(base_dir, topology,
+                                                         self.replication_config or ReplicationConfig())
+        return self._replication
 
     def can_handle_sharded_objects(self) -> bool:
         return True
@@ -244,6 +260,9 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
     def close(self) -> None:
         """Release this process's buffer pools of the bases saved to (RAM versions stay) and the Manager."""
         release_process_savers()
+        if self._replication is not None:  # stop the push thread and the transfer server
+            self._replication.close()
+            self._replication = None
         if self.manager_future is not None:
             shutdown_manager(self.manager_future)
             self.manager_future = None

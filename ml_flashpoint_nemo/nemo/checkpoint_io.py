@@ -34,6 +34,7 @@ from ml_flashpoint_nemo.dcp.storage_info import step_of_checkpoint_id
 from ml_flashpoint_nemo.errors import BaseDirError, FlashpointError, TrainerSetupError
 from ml_flashpoint_nemo.megatron.strategies import FlashpointSaveStrategy
 from ml_flashpoint_nemo.nemo.settings import FlashpointSettings
+from ml_flashpoint_nemo.replication.service import ReplicationConfig
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,8 @@ class FlashpointCheckpointIO(AsyncFinalizableCheckpointIO):
         self.settings = settings
         self.layout = CheckpointLayout(settings.base_dir)
         self.flashpoint_strategy = FlashpointSaveStrategy(
-            keep=settings.keep, checksum=settings.checksum, threads=settings.threads, manager_future=manager_future
+            keep=settings.keep, checksum=settings.checksum, threads=settings.threads, manager_future=manager_future,
+            replication=ReplicationConfig(factor=settings.replication_factor),
         )
         self.flashpoint_queue = AsyncCallsQueue(persistent=settings.persistent_worker)
         self.outcomes: list[SaveOutcome] = []  # finalized saves not yet reported by the callback

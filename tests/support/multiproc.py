@@ -27,14 +27,23 @@ def free_port() -> int:
 
 def run_world(module: str, scenario: str, world_size: int, params: dict[str, Any], *, timeout: float = 180) -> list[str]:
     """Start world_size ranks of module's scenario; return each rank's stdout. Fails on any non-zero exit."""
-    port = free_port()
+    envs = [{"LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)} for rank in range(world_size)]
+    return run_ranks(module, scenario, params, prefixes=[[] for _ in range(world_size)], envs=envs,
+                     master_addr="127.0.0.1", master_port=free_port(), timeout=timeout)
+
+
+def run_ranks(module: str, scenario: str, params: dict[str, Any], *, prefixes: list[list[str]],
+              envs: list[dict[str, str]], master_addr: str, master_port: int, timeout: float = 180) -> list[str]:
+    """Like run_world, but rank r runs under the command prefix prefixes[r] (e.g. ip netns exec NS) with envs[r]."""
+    world_size = len(prefixes)
     procs = []
     for rank in range(world_size):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1", FLASHPOINT_COPY_THREADS="1")
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                   MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), OMP_NUM_THREADS="1",
+                   FLASHPOINT_COPY_THREADS="1")
+        env.update(envs[rank])
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", f"tests.support.{module}", scenario, json.dumps(params)],
+            prefixes[rank] + [sys.executable, "-m", f"tests.support.{module}", scenario, json.dumps(params)],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         ))
     deadline = time.monotonic() + timeout
@@ -43,14 +52,14 @@ def run_world(module: str, scenario: str, world_size: int, params: dict[str, Any
         try:
             out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
+            for other in procs:
+                other.kill()
             out, err = proc.communicate()
             failures.append(f"rank {rank} timed out after {timeout}s\n{err[-3000:]}")
             continue
         outputs.append(out)
         if proc.returncode != 0:
-            failures.append(f"rank {rank} exited with {proc.returncode}\n{err[-3000:]}")
+            failures.append(f"rank {rank} exited with {proc.returncode}\n{err[-3000:]}\n{out[-2000:]}")
     assert not failures, "\n".join(failures)
     return outputs
 

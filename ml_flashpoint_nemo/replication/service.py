@@ -1,0 +1,387 @@
+"""Per-rank replication service: a TransferServer, the job secret, peer addresses, background pushes.
+
+Lifecycle (collective where noted; every rank calls in the same order):
+
+    service = ReplicationService.start(base_dir, topology, config)   # collective (first save)
+    keep = service.keep_for_next_save(keep)                           # collective (every save)
+    service.replicate(step)              # after step committed on every node; returns at once
+    service.replication_status(step)     # this rank's view: pending / replicated / under-replicated
+    service.close()                      # stops the thread and the server; no thread or fd left
+
+`start` agrees on a job-scoped secret (rank 0 draws os.urandom(32) and broadcasts it; it is
+never logged) and exchanges every rank's server address with one all_gather_object. One
+background thread per rank pushes this rank's objects of each committed version to the
+same-local-rank server of each target node (see placement). A version is "replicated" on a
+rank once every target acknowledged every object; it is replicated for the job once that
+holds on every rank, which `keep_for_next_save` learns with one all_gather_object per save.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from ml_flashpoint_nemo import _core
+from ml_flashpoint_nemo.core.layout import CheckpointLayout, rank_of_object
+from ml_flashpoint_nemo.core.topology import NodeTopology
+from ml_flashpoint_nemo.core.versions import committed_steps, read_commit
+from ml_flashpoint_nemo.replication.placement import DEFAULT_FACTOR, effective_factor, push_targets
+
+logger = logging.getLogger(__name__)
+
+HOST_ENV = "FLASHPOINT_REPLICATION_HOST"
+SECRET_BYTES = 32
+
+PENDING = "pending"
+REPLICATED = "replicated"
+UNDER_REPLICATED = "under-replicated"
+UNKNOWN = "unknown"
+OFF = "off"
+
+
+@dataclass(frozen=True)
+class ReplicationConfig:
+    """Replication settings; the same on every rank."""
+
+    factor: int = DEFAULT_FACTOR          # copies of each object, counting the writer's node (capped at nodes)
+    host: str | None = None               # address to bind and advertise (else $FLASHPOINT_REPLICATION_HOST,
+    port: int = 0                         # else the host name's address); port 0: ephemeral
+    connect_timeout_s: float = 5.0
+    io_timeout_s: float = 30.0
+    retries: int = 2
+    backoff_s: float = 0.2
+    max_connections: int = 4
+    enabled: bool = True
+
+    def transfer_kwargs(self) -> dict[str, Any]:
+        return {"connect_timeout_s": self.connect_timeout_s, "io_timeout_s": self.io_timeout_s,
+                "retries": self.retries, "backoff_s": self.backoff_s}
+
+
+@dataclass(frozen=True)
+class ReplicationStatus:
+    """One version as this rank sees it: state and, when under-replicated, the peers that failed and why."""
+
+    step: int
+    state: str
+    failed_peers: dict[int, str] = field(default_factory=dict)
+    pushed_bytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def replicated(self) -> bool:
+        return self.state == REPLICATED
+
+
+def advertised_host(option: str | None = None) -> str:
+    """Address this rank's server binds to and peers connect to."""
+    if option:
+        return option
+    if os.environ.get(HOST_ENV):
+        return os.environ[HOST_ENV]
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+class PeerEndpoints:
+    """This rank's running TransferServer, the job secret and every rank's (host, port) or None."""
+
+    def __init__(self, server: Any, secret: bytes, addresses: list[tuple[str, int] | None]) -> None:
+        self.server = server
+        self.secret = secret
+        self.addresses = addresses
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+
+def peer_endpoints(base_dir: str | os.PathLike[str], config: ReplicationConfig | None = None) -> PeerEndpoints:
+    """Collective: agree on a fresh job secret, start this rank's server on base_dir, exchange addresses.
+
+    A rank whose server cannot start is listed as None (peers then treat it as unreachable);
+    the reason is logged on that rank. Exactly one broadcast and one all_gather on every path.
+    """
+    config = config or ReplicationConfig()
+    box: list[Any] = [os.urandom(SECRET_BYTES) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    secret: bytes = box[0]
+    server, address = None, None
+    try:
+        Path(base_dir).mkdir(parents=True, exist_ok=True)
+        host = advertised_host(config.host)
+        server = _core.TransferServer(os.fspath(base_dir), secret, host=host, port=config.port,
+                                      max_connections=config.max_connections, io_timeout_s=config.io_timeout_s)
+        address = (host, server.port)
+    except Exception as exc:  # noqa: BLE001 - peers learn this rank is unreachable through the gather
+        logger.warning("Rank %d: the replication transfer server did not start: %s: %s",
+                       dist.get_rank(), type(exc).__name__, exc)
+    addresses: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(addresses, address)
+    return PeerEndpoints(server, secret, [tuple(a) if a else None for a in addresses])
+
+
+_said_off = False
+
+
+def _say_off_once(reason: str) -> None:
+    global _said_off
+    if not _said_off:
+        _said_off = True
+        logger.info("RAM checkpoint replication is off: %s", reason)
+
+
+class ReplicationService:
+    """Replicates this rank's objects of each committed version to its peers, in a background thread."""
+
+    def __init__(self, base_dir: str | os.PathLike[str], topology: NodeTopology, config: ReplicationConfig,
+                 endpoints: PeerEndpoints | None) -> None:
+        self.layout = CheckpointLayout(base_dir)
+        self.topology = topology
+        self.config = config
+        self.rank = topology.rank
+        self.enabled = endpoints is not None
+        self.targets = push_targets(topology, self.rank, config.factor) if self.enabled else []
+        self._endpoints = endpoints
+        self._status: dict[int, ReplicationStatus] = {}
+        self._newest_replicated: int | None = None
+        self._pending: list[int] = []
+        self._closing = False
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        if self.enabled:
+            self._thread = threading.Thread(target=self._run, name=f"flashpoint-replication-{self.rank}", daemon=True)
+            self._thread.start()
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    @classmethod
+    def start(cls, base_dir: str | os.PathLike[str], topology: NodeTopology,
+              config: ReplicationConfig | None = None) -> "ReplicationService":
+        """Collective unless replication is off (decided from the topology and config, same on every rank)."""
+        config = config or ReplicationConfig()
+        if not config.enabled:
+            _say_off_once("disabled by configuration")
+            return cls(base_dir, topology, config, None)
+        if topology.node_count < 2:
+            _say_off_once("the job runs on a single node, there is no peer to hold a copy")
+            return cls(base_dir, topology, config, None)
+        if effective_factor(config.factor, topology.node_count) < 2:
+            _say_off_once(f"replication factor {config.factor}")
+            return cls(base_dir, topology, config, None)
+        endpoints = peer_endpoints(base_dir, config)
+        service = cls(base_dir, topology, config, endpoints)
+        if topology.rank == 0:
+            logger.info("RAM checkpoint replication on: %d nodes, factor %d (node i -> nodes i+1..i+%d mod %d)",
+                        topology.node_count, effective_factor(config.factor, topology.node_count),
+                        effective_factor(config.factor, topology.node_count) - 1, topology.node_count)
+        return service
+
+    def close(self) -> None:
+        """Stop the thread (an ongoing push ends within its timeouts) and the server. Idempotent."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._endpoints is not None:
+            self._endpoints.close()
+
+    @property
+    def server(self) -> Any:
+        return self._endpoints.server if self._endpoints else None
+
+    @property
+    def addresses(self) -> list[tuple[str, int] | None]:
+        return self._endpoints.addresses if self._endpoints else []
+
+    # --- per save -------------------------------------------------------------------------------
+
+    def replicate(self, step: int) -> None:
+        """Queue a committed version for pushing; never blocks."""
+        if not self.enabled:
+            return
+        with self._cv:
+            self._status[step] = ReplicationStatus(step, PENDING)
+            self._pending.append(step)
+            self._cv.notify_all()
+
+    def replication_status(self, step: int) -> ReplicationStatus:
+        if not self.enabled:
+            return ReplicationStatus(step, OFF)
+        with self._cv:
+            return self._status.get(step, ReplicationStatus(step, UNKNOWN))
+
+    def wait(self, step: int, timeout: float) -> ReplicationStatus:
+        """Wait (bounded) until step is no longer pending; for tests and tools, never called by a save."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while self.enabled and self._status.get(step, ReplicationStatus(step, UNKNOWN)).state == PENDING:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cv.wait(left)
+        return self.replication_status(step)
+
+    def keep_for_next_save(self, keep: int) -> int:
+        """Collective when on: how many committed versions the coming save keeps.
+
+        `keep` while the newest committed version is replicated on every rank, else keep + 1,
+        so the version before it survives until it is. Failures seen by any rank since the
+        last save are logged here on rank 0 (the background thread logged them where they happened).
+        """
+        if not self.enabled:
+            if self.topology.node_count > 1:
+                self._prune_replicas()  # objects fetched from peers during a recovery still get removed
+            return keep
+        committed = committed_steps(self.layout)
+        newest = committed[-1] if committed else None
+        with self._cv:
+            mine = (self._newest_replicated,
+                    {s: dict(st.failed_peers) for s, st in self._status.items() if st.state == UNDER_REPLICATED})
+            server_errors = self.server.errors() if self.server is not None else []
+        for message in server_errors:
+            logger.warning("Rank %d replication server: %s", self.rank, message)
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        replicated = [g[0] for g in gathered]
+        everywhere = None if any(r is None for r in replicated) else min(replicated)
+        if self.rank == 0:
+            for rank, (_, failures) in enumerate(gathered):
+                for step, peers in sorted(failures.items()):
+                    if step == newest:
+                        logger.warning("RAM checkpoint step %d is under-replicated: rank %d could not copy its "
+                                       "objects to ranks %s (%s)", step, rank, sorted(peers),
+                                       "; ".join(peers.values()))
+        if newest is None or (everywhere is not None and everywhere >= newest):
+            return keep
+        return keep + 1
+
+    # --- background thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._pending and not self._closing:
+                    self._cv.wait()
+                if self._closing:
+                    for step in self._pending:
+                        self._set(ReplicationStatus(step, UNDER_REPLICATED,
+                                                    {p: "the replication service closed first" for p in self.targets}))
+                    self._pending.clear()
+                    return
+                step = max(self._pending)
+                for older in self._pending:
+                    if older != step:
+                        self._set(ReplicationStatus(older, UNDER_REPLICATED, {
+                            p: f"superseded by step {step} before it was pushed" for p in self.targets}))
+                self._pending.clear()
+            status = self._push_version(step)
+            with self._cv:
+                self._set(status)
+                if status.replicated and (self._newest_replicated is None or step > self._newest_replicated):
+                    self._newest_replicated = step
+                self._cv.notify_all()
+            if not status.replicated:
+                logger.warning("RAM checkpoint step %d is under-replicated: rank %d could not copy its objects to "
+                               "ranks %s: %s. Training continues; the previous version is kept.", step, self.rank,
+                               sorted(status.failed_peers), "; ".join(status.failed_peers.values()))
+            self._prune_replicas()
+
+    def _set(self, status: ReplicationStatus) -> None:
+        self._status[status.step] = status
+        for old in sorted(self._status)[:-16]:  # bounded history
+            del self._status[old]
+
+    def _push_version(self, step: int) -> ReplicationStatus:
+        started = time.monotonic()
+        failed: dict[int, str] = {}
+        pushed = 0
+        try:
+            commit = read_commit(self.layout, step)
+            mine = [(o.name, o.nbytes) for o in commit.objects if o.rank == self.rank]
+        except Exception as exc:  # noqa: BLE001 - reported through the status
+            return ReplicationStatus(step, UNDER_REPLICATED,
+                                     {p: f"cannot read the version: {type(exc).__name__}: {exc}" for p in self.targets})
+        assert self._endpoints is not None
+        for peer in self.targets:
+            address = self._endpoints.addresses[peer]
+            if address is None:
+                failed[peer] = f"rank {peer}: its transfer server did not start"
+                continue
+            for name, nbytes in mine:
+                if self._closing:
+                    failed[peer] = f"rank {peer}: the replication service closed first"
+                    break
+                try:
+                    pushed += self._push_object(address, step, name, nbytes)
+                except Exception as exc:  # noqa: BLE001 - reported through the status
+                    failed[peer] = f"rank {peer} at {address[0]}:{address[1]}: {type(exc).__name__}: {exc}"
+                    break
+        state = UNDER_REPLICATED if failed else REPLICATED
+        return ReplicationStatus(step, state, failed, pushed, time.monotonic() - started)
+
+    def _push_object(self, address: tuple[str, int], step: int, name: str, nbytes: int) -> int:
+        """Push the object's nbytes only: a reused pool buffer may be longer than the object it holds."""
+        assert self._endpoints is not None
+        fd = os.open(self.layout.object_path(step, name), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            result = _core.transfer_push_fd(address[0], address[1], self._endpoints.secret, fd, f"step-{step}/{name}",
+                                            length=nbytes, **self.config.transfer_kwargs())
+        finally:
+            os.close(fd)
+        return int(result["nbytes"])
+
+    def _prune_replicas(self) -> None:
+        """Node leader: delete other nodes' objects from retired versions (their writers are not here to)."""
+        if not self.topology.is_leader:
+            return
+        try:
+            prune_foreign_objects(self.layout, self.topology)
+        except Exception as exc:  # noqa: BLE001 - cleanup only; logged
+            logger.warning("Rank %d: removing replicas of retired versions failed: %s", self.rank, exc)
+
+
+def prune_foreign_objects(layout: CheckpointLayout, topology: NodeTopology) -> list[int]:
+    """Delete objects of ranks not on this node from retired version directories; returns the steps touched.
+
+    A version directory is retired once its commit record is gone and a newer version is
+    committed (core.versions.retire_version removes the record first). Each rank retires only
+    its own objects there, so replicas received from other nodes (or fetched during recovery)
+    would stay forever; this removes them and then the empty directory.
+    """
+    committed = committed_steps(layout)
+    if not committed:
+        return []
+    own = set(topology.ranks_of_node(topology.node))
+    touched = []
+    for step in layout.version_steps():
+        if step >= committed[-1] or layout.is_committed(step):
+            continue
+        directory = layout.version_dir(step)
+        try:
+            names = os.listdir(directory)
+        except FileNotFoundError:
+            continue
+        for name in names:
+            owner = rank_of_object(name)
+            if owner is not None and owner not in own:
+                (directory / name).unlink(missing_ok=True)
+                touched.append(step)
+        try:
+            directory.rmdir()
+        except OSError:
+            pass  # this node's own ranks still have objects there; they remove the directory
+    return sorted(set(touched))

@@ -1,0 +1,78 @@
+"""Replication scenarios run on several gloo ranks by tests/test_replication.py.
+
+A "node" is its own base directory and ranks_per_node consecutive ranks. Logs go to stdout
+so the test can assert what was said.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))  # examples/cpu_shims.py
+import cpu_shims  # noqa: E402
+
+cpu_shims.install_for_checkpointing()
+
+import torch.distributed as dist  # noqa: E402
+
+from ml_flashpoint_nemo.core.layout import CheckpointLayout  # noqa: E402
+from ml_flashpoint_nemo.core.recovery import choose_version  # noqa: E402
+from ml_flashpoint_nemo.core.versions import committed_steps  # noqa: E402
+from ml_flashpoint_nemo.megatron import FlashpointSaveStrategy  # noqa: E402
+from ml_flashpoint_nemo.replication import ReplicationConfig  # noqa: E402
+from tests.support.megatron_scenarios import check_loaded, load, node_base, save  # noqa: E402
+from tests.support.multiproc import scenario_main  # noqa: E402
+
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, force=True,
+                    format="%(levelname)s %(name)s: %(message)s")
+
+
+def _config(p: dict[str, Any]) -> ReplicationConfig:
+    return ReplicationConfig(factor=p.get("factor", 2), connect_timeout_s=2.0, io_timeout_s=5.0, retries=1,
+                             backoff_s=0.1)
+
+
+def replicate(p: dict[str, Any]) -> None:
+    """Save p["steps"] with replication; wait (test only) for each push; print every rank's status.
+
+    With stop_server_rank / stop_before_step, that rank's transfer server stops before that step
+    (a peer that became unreachable); the save must still commit and the status say why.
+    """
+    strategy = FlashpointSaveStrategy(replication=_config(p))
+    mine = dict(p, base=node_base(p))
+    for step in p["steps"]:
+        if step == p.get("stop_before_step") and strategy._replication is not None:
+            if dist.get_rank() == p["stop_server_rank"]:
+                strategy._replication.server.stop()
+            dist.barrier()
+        started = time.monotonic()
+        save(mine, step, None, strategy)
+        print(f"SAVED {step} in {time.monotonic() - started:.2f}s", flush=True)
+        status = strategy._replication.wait(step, timeout=60)
+        print(f"STATUS {step} {status.state} failed={sorted(status.failed_peers)} "
+              f"{'; '.join(status.failed_peers.values())}", flush=True)
+        dist.barrier()  # every rank's pushes of this step are done before the next save
+    addresses = strategy._replication.addresses
+    print(f"ADDRESSES {addresses}", flush=True)
+    print(f"COMMITTED {committed_steps(CheckpointLayout(node_base(p)))}", flush=True)
+    strategy.close()
+    threads = [t.name for t in __import__("threading").enumerate() if t.name.startswith("flashpoint-replication")]
+    assert not threads, threads
+
+
+def restart_load(p: dict[str, Any]) -> None:
+    """A restarted job: agree on a version (fetching from peers), then load it and compare bit-exactly."""
+    Path(node_base(p)).mkdir(parents=True, exist_ok=True)
+    step = choose_version(node_base(p)).step
+    print(f"CHOSEN {step}", flush=True)
+    if step is not None:
+        check_loaded(load(dict(p, base=node_base(p)), step), step)
+        print(f"LOADED {step} OK", flush=True)
+
+
+if __name__ == "__main__":
+    scenario_main({f.__name__: f for f in (replicate, restart_load)})

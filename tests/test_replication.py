@@ -1,0 +1,199 @@
+"""Replication of RAM versions to peer nodes and recovery from them: real processes, gloo, sockets.
+
+A "node" is a base directory of its own plus its ranks (ranks_per_node consecutive ranks).
+Losing a node is simulated by removing its base directory before a restart (a new world).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+
+from ml_flashpoint_nemo.core.layout import CheckpointLayout, object_name
+from ml_flashpoint_nemo.core.topology import NodeTopology
+from ml_flashpoint_nemo.core.versions import committed_steps, retire_version
+from ml_flashpoint_nemo.replication.placement import holder_nodes, push_targets, target_nodes
+from ml_flashpoint_nemo.replication.service import prune_foreign_objects
+from tests.support.multiproc import free_port, run_world
+
+# --- placement (pure) ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", range(2, 7))
+def test_placement_every_node_count_and_factor(n):
+    for k in range(1, n + 1):
+        copies_of = {node: 0 for node in range(n)}
+        for node in range(n):
+            targets = target_nodes(node, n, k)
+            assert len(targets) == k - 1 and len(set(targets)) == k - 1 and node not in targets
+            assert targets == [(node + d) % n for d in range(1, k)]
+            for t in targets:
+                copies_of[t] += 1
+        assert all(c == k - 1 for c in copies_of.values())  # balanced: every node receives k-1 nodes' objects
+    assert target_nodes(1, n, n + 5) == target_nodes(1, n, n)  # capped at n
+
+
+def test_placement_pairs_ranks_by_local_index_and_rejects_bad_input():
+    topology = NodeTopology((0, 0, 1, 1, 2, 2), rank=0)  # 3 nodes x 2 ranks
+    assert push_targets(topology, 0, 2) == [2] and push_targets(topology, 1, 2) == [3]
+    assert push_targets(topology, 5, 3) == [1, 3]
+    assert holder_nodes(topology, 3, 2) == [1, 2]
+    uneven = NodeTopology((0, 0, 1), rank=0)  # node 1 has one rank: both of node 0's pair with it
+    assert push_targets(uneven, 0, 2) == [2] and push_targets(uneven, 1, 2) == [2]
+    assert push_targets(NodeTopology((0, 0), rank=0), 0, 2) == []  # one node: no replication
+    with pytest.raises(ValueError):
+        target_nodes(0, 3, 0)
+
+
+def test_foreign_objects_of_retired_versions_are_pruned(shm_dir):
+    """retire_version leaves replicas (other nodes' objects) behind; prune removes them and the directory."""
+    layout = CheckpointLayout(shm_dir)
+    topology = NodeTopology((0, 1), rank=1)  # this is node 1, rank 1
+    for step in (1, 2):
+        d = layout.version_dir(step)
+        d.mkdir(parents=True)
+        for rank in (0, 1):
+            (d / object_name(rank)).write_bytes(b"x")
+        (d / "COMMIT").write_bytes(b"{}")
+    retire_version(layout, 1, rank=1)
+    assert os.listdir(layout.version_dir(1)) == [object_name(0)]  # the replica stays: nobody here wrote it
+    assert prune_foreign_objects(layout, topology) == [1]
+    assert not layout.version_dir(1).exists()
+    assert sorted(os.listdir(layout.version_dir(2))) == ["COMMIT", object_name(0), object_name(1)]  # committed
+
+
+# --- multi-process ------------------------------------------------------------------------------
+
+
+def bases_for(root: Path, nodes: int) -> list[str]:
+    return [str(root / f"node-{n}") for n in range(nodes)]
+
+
+def run(scenario: str, world: int, **params) -> list[str]:
+    return run_world("replication_scenarios", scenario, world, params, timeout=240)
+
+
+def statuses(outputs: list[str], step: int) -> list[str]:
+    return [re.search(rf"^STATUS {step} (\S+) failed=(\[.*?\])", out, re.M).group(0) for out in outputs]
+
+
+@pytest.mark.parametrize("nodes, ranks_per_node, wiped", [(2, 2, 0), (3, 1, 1)])
+def test_wiped_node_recovers_newest_version_from_peers(shm_dir, nodes, ranks_per_node, wiped):
+    world = nodes * ranks_per_node
+    bases = bases_for(shm_dir, nodes)
+    outputs = run("replicate", world, bases=bases, ranks_per_node=ranks_per_node, steps=[1, 2, 3])
+    assert all(s.endswith("replicated failed=[]") for s in statuses(outputs, 3)), outputs
+    for node, base in enumerate(bases):  # node i holds its own objects and node i-1's replicas
+        names = set(os.listdir(Path(base) / "step-3"))
+        for source in (node, (node - 1) % nodes):
+            for r in range(source * ranks_per_node, (source + 1) * ranks_per_node):
+                assert object_name(r) in names, (node, r, names)
+    snapshot = shm_dir / "snapshot"
+    if nodes == 3:
+        shutil.copytree(shm_dir, snapshot, ignore=shutil.ignore_patterns("snapshot"))
+    shutil.rmtree(bases[wiped])
+    outputs = run("restart_load", world, bases=bases, ranks_per_node=ranks_per_node)
+    assert all("CHOSEN 3" in out and "LOADED 3 OK" in out for out in outputs), outputs
+    layout = CheckpointLayout(bases[wiped])
+    assert 3 in committed_steps(layout)
+    if nodes != 3:
+        return
+    # Both copies of node 0's objects lived on nodes 0 and 1 (k=2): lose both and nothing is loadable.
+    for base in bases:
+        shutil.rmtree(base)
+        shutil.copytree(snapshot / Path(base).name, base)
+    shutil.rmtree(bases[0])
+    shutil.rmtree(bases[1])
+    outputs = run("restart_load", world, bases=bases, ranks_per_node=ranks_per_node)
+    assert all("CHOSEN None" in out for out in outputs), outputs
+    assert "every copy was lost" in outputs[0] and "fall back to the durable checkpoint" in outputs[0], outputs[0]
+
+
+def test_unreachable_peer_leaves_version_under_replicated_then_older_version_is_recovered(shm_dir):
+    """4 nodes x 1 rank. Rank 1's server stops before step 3: rank 0 cannot copy steps 3 and 4 anywhere.
+
+    The saves still commit, rank 0's status names the unreachable peer, step 2 (the newest version
+    replicated everywhere) is kept. Node 0 is then lost: its objects of steps 3 and 4 are gone, so the
+    restart falls back to step 2, restored bit-exactly from node 1.
+    """
+    bases = bases_for(shm_dir, 4)
+    outputs = run("replicate", 4, bases=bases, ranks_per_node=1, steps=[1, 2, 3, 4], stop_server_rank=1,
+                  stop_before_step=3)
+    assert all(s.endswith("replicated failed=[]") for s in statuses(outputs, 2)), outputs
+    for step in (3, 4):
+        got = statuses(outputs, step)
+        assert got[0] == f"STATUS {step} under-replicated failed=[1]", outputs[0]
+        assert all(s.endswith("replicated failed=[]") and "under" not in s for s in got[1:]), got
+    assert "ConnectionRefused" in outputs[0] or "TransferError" in outputs[0], outputs[0]
+    assert "is under-replicated" in outputs[0]
+    assert all(float(t) < 30 for t in re.findall(r"^SAVED [34] in ([\d.]+)s", outputs[0], re.M))
+    assert all("COMMITTED [2, 3, 4]" in out for out in outputs), outputs  # step 2 kept while 3, 4 unreplicated
+    shutil.rmtree(bases[0])
+    outputs = run("restart_load", 4, bases=bases, ranks_per_node=1)
+    assert all("CHOSEN 2" in out and "LOADED 2 OK" in out for out in outputs), outputs
+    assert "step 4 cannot be restored from peers" in outputs[0] and "every copy was lost" in outputs[0]
+
+
+# --- network namespaces: every node its own address -------------------------------------------------
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+@pytest.fixture
+def two_namespaces():
+    if shutil.which("ip") is None:
+        pytest.skip("the `ip` tool (iproute2) is not installed")
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root")
+    tag = uuid.uuid4().hex[:6]
+    names, links = [f"fprep-{tag}-a", f"fprep-{tag}-b"], [f"fpr{tag}a", f"fpr{tag}b"]
+    addresses = ["10.231.77.1", "10.231.77.2"]
+    created: list[str] = []
+    try:
+        for ns in names:
+            _ip("netns", "add", ns)
+            created.append(ns)
+            _ip("netns", "exec", ns, "ip", "link", "set", "lo", "up")
+        _ip("link", "add", links[0], "type", "veth", "peer", "name", links[1])
+        for ns, link, address in zip(names, links, addresses):
+            _ip("link", "set", link, "netns", ns)
+            _ip("netns", "exec", ns, "ip", "addr", "add", f"{address}/24", "dev", link)
+            _ip("netns", "exec", ns, "ip", "link", "set", link, "up")
+    except subprocess.CalledProcessError as exc:
+        for ns in created:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        pytest.skip(f"cannot set up network namespaces here: {' '.join(exc.cmd)}: {exc.stderr.strip()}")
+    yield list(zip(names, links, addresses))
+    for ns in names:  # deleting a namespace removes its end of the veth pair, and with it the pair
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def test_nodes_in_network_namespaces_replicate_and_recover(shm_dir, two_namespaces):
+    from tests.support.multiproc import run_ranks
+
+    bases = bases_for(shm_dir, 2)
+    prefixes = [["ip", "netns", "exec", ns] for ns, _, _ in two_namespaces]
+    envs = [{"GLOO_SOCKET_IFNAME": link, "FLASHPOINT_REPLICATION_HOST": address}
+            for _, link, address in two_namespaces]
+    master = two_namespaces[0][2]
+
+    def world(scenario: str, **params) -> list[str]:
+        return run_ranks("replication_scenarios", scenario, dict(params, bases=bases, ranks_per_node=1),
+                         prefixes=prefixes, envs=envs, master_addr=master, master_port=free_port(), timeout=240)
+
+    outputs = world("replicate", steps=[1, 2])
+    assert all(s.endswith("replicated failed=[]") for s in statuses(outputs, 2)), outputs
+    assert re.search(r"ADDRESSES \[\('10\.231\.77\.1', \d+\), \('10\.231\.77\.2', \d+\)\]", outputs[0]), outputs[0]
+    assert object_name(0) in os.listdir(Path(bases[1]) / "step-2")  # pushed across the veth pair
+    shutil.rmtree(bases[1])
+    outputs = world("restart_load")
+    assert all("CHOSEN 2" in out and "LOADED 2 OK" in out for out in outputs), outputs
+    assert "fetched 2 objects of step 2" in outputs[1], outputs[1]  # its own and node 0's
