@@ -1,0 +1,112 @@
+"""`flashpoint verify BASE [STEP]`: check every byte of committed versions against their checksums."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ml_flashpoint_nemo.core.layout import CheckpointLayout
+from ml_flashpoint_nemo.core.versions import committed_steps, read_commit
+from ml_flashpoint_nemo.errors import CorruptCheckpointError, FlashpointError
+from ml_flashpoint_nemo.cli.common import (
+    EXIT_CORRUPT,
+    EXIT_FAILED,
+    EXIT_OK,
+    CliError,
+    human_bytes,
+    open_base,
+    parse_step,
+    print_json,
+)
+
+
+def _problem(exc: BaseException, rank: int | None) -> dict[str, Any]:
+    return {
+        "rank": rank,
+        "type": type(exc).__name__,
+        "path": getattr(exc, "path", None),
+        "key": getattr(exc, "key", None),
+        "error": str(exc) or type(exc).__name__,
+    }
+
+
+def verify_step(layout: CheckpointLayout, step: int, threads: int | None) -> dict[str, Any]:
+    """Verify one committed version: the commit record and version files, then each rank's objects.
+
+    Ranks are verified one by one, so every corrupt rank is reported, not only the first.
+    """
+    from ml_flashpoint_nemo.core.loader import verify_version  # imports torch
+
+    result: dict[str, Any] = {"step": step, "ok": False, "objects": 0, "records": 0, "nbytes": 0, "files": 0,
+                              "problems": []}
+    problems = result["problems"]
+    try:
+        commit = read_commit(layout, step)
+        result["files"] = verify_version(layout.base_dir, step, ranks=[], threads=threads).files
+    except CorruptCheckpointError as exc:  # commit record or a version-level file
+        problems.append(_problem(exc, None))
+        return result
+    except (FlashpointError, OSError) as exc:
+        problems.append(_problem(exc, None) | {"failure": True})
+        return result
+    for rank in sorted({o.rank for o in commit.objects}):
+        try:
+            report = verify_version(layout.base_dir, step, ranks=[rank], threads=threads)
+        except CorruptCheckpointError as exc:
+            problems.append(_problem(exc, rank))
+            continue
+        except (FlashpointError, OSError) as exc:
+            problems.append(_problem(exc, rank) | {"failure": True})
+            continue
+        result["objects"] += report.objects
+        result["records"] += report.records
+        result["nbytes"] += report.nbytes
+    result["ok"] = not problems
+    return result
+
+
+def run(args: argparse.Namespace) -> int:
+    layout = open_base(args.base)
+    all_steps = layout.version_steps()
+    committed = committed_steps(layout)
+    if args.step is not None:
+        step = parse_step(args.step)
+        if step not in committed:
+            if step in all_steps:
+                raise CliError(f"step {step} in {layout.base_dir} is not committed (no COMMIT: a save in progress "
+                               "or the leftover of a crashed one); nothing to verify")
+            raise CliError(f"no version of step {step} in {layout.base_dir}; committed steps: {committed}")
+        steps = [step]
+    else:
+        if not committed:
+            raise CliError(f"nothing to verify: no committed version in {layout.base_dir}")
+        steps = committed
+    if args.threads is not None and args.threads < 1:
+        raise CliError("--threads must be >= 1")
+    skipped = [s for s in all_steps if s not in committed] if args.step is None else []
+    results = [verify_step(layout, s, args.threads) for s in steps]
+    corrupt = any(p for r in results for p in r["problems"] if not p.get("failure"))
+    failed = any(p.get("failure") for r in results for p in r["problems"])
+    code = EXIT_CORRUPT if corrupt else EXIT_FAILED if failed else EXIT_OK
+    if args.json:
+        print_json({"base": str(layout.base_dir), "ok": code == EXIT_OK, "exit_code": code, "versions": results,
+                    "skipped_uncommitted": skipped})
+        return code
+    for r in results:
+        if r["ok"]:
+            print(f"step {r['step']}: OK ({r['objects']} objects, {r['records']} records, "
+                  f"{human_bytes(r['nbytes'])}, {r['files']} version files)")
+            continue
+        print(f"step {r['step']}: CORRUPT" if any(not p.get("failure") for p in r["problems"])
+              else f"step {r['step']}: FAILED")
+        for p in r["problems"]:
+            where = f"rank {p['rank']}" if p["rank"] is not None else "version"
+            detail = f" [key {p['key']!r}]" if p.get("key") else ""
+            print(f"  {where}{detail}: {p['type']}: {p['error']}")
+    for s in skipped:
+        print(f"step {s}: skipped (uncommitted)")
+    bad = [r["step"] for r in results if not r["ok"]]
+    print(f"{len(results) - len(bad)} of {len(results)} version(s) intact" + (f"; bad: {bad}" if bad else ""))
+    return code
+
+
