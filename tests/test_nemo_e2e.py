@@ -60,12 +60,17 @@ def test_quickstart_recovers_from_ram_bit_exact(tmp_path):
         ("ram newer", 2, 5, ("ram", "step-4")),  # RAM step 4, durable step 3
         ("ram lost", 2, 5, ("durable", "step=2")),  # durable step 3 (NeMo names it step=2)
         ("durable newer", 4, 7, ("durable", "step=5")),  # RAM step 4, durable step 6
+        # async saves: the SIGKILL leaves NeMo's newest "-last" checkpoint unfinished, so NeMo's AutoResume
+        # refuses to resume at all; FlashpointAutoResume resumes from RAM. The RAM save of step 4 was not
+        # finalized yet (the kill comes first in step 5's callbacks), so step 2 is the newest committed.
+        ("async durable unfinished", 2, 5, ("ram", "step-2")),
     ],
 )
 def test_durable_checkpoint_is_the_fallback_and_the_newer_one_wins(reference, tmp_path, shm_dir, case, ram_every,
                                                                    kill_at, expected):
     link_reference(reference, tmp_path)
-    flags = ("--durable-every", "3", "--durable-dir", str(tmp_path / "durable"), "--every", str(ram_every))
+    flags = ("--durable-every", "3", "--durable-dir", str(tmp_path / "durable"), "--every", str(ram_every),
+             *(["--async-save"] if case.startswith("async") else []))
     train(tmp_path, "crash", shm_dir, *flags, "--kill-at", str(kill_at), expect=-9)
     if case == "ram lost":  # the node lost its RAM (reboot, another job cleaned /dev/shm, ...)
         for version in shm_dir.glob("step-*"):
@@ -75,6 +80,8 @@ def test_durable_checkpoint_is_the_fallback_and_the_newer_one_wins(reference, tm
     assert resumed["resumed_from"] == source and path_part in resumed["resumed_path"], resumed["resumed_path"]
     if case == "ram lost":
         assert "falling back to the durable checkpoint" in resumed["log"]
+    if case.startswith("async"):
+        assert "Last checkpoint is unfinished" in resumed["log"], resumed["log"][-3000:]
     assert compare(tmp_path, resumed_from=source) == []
 
 

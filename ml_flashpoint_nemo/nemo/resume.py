@@ -77,6 +77,9 @@ def install_resume_choice(trainer: Any, settings: FlashpointSettings, *, enabled
         if trainer._flashpoint_resume_enabled and trainer.state.fn == TrainerFn.FITTING:
             decision = decide(settings, checkpoint_path)
             trainer._flashpoint_resume = decision
+            durable_error = getattr(trainer, "_flashpoint_durable_error", None)
+            if decision.source == "none" and durable_error is not None:
+                raise durable_error  # neither RAM nor durable: NeMo's own message says what to do
             checkpoint_path = decision.path
         original(checkpoint_path)
         trainer._flashpoint_restore_seconds = time.perf_counter() - started  # choosing + reading
@@ -104,10 +107,18 @@ class FlashpointAutoResume(AutoResume):
             self.resume_if_exists = self.durable.resume_if_exists
 
     def setup(self, trainer: Any, model: Any = None) -> None:
-        if self.durable is not None:
-            self.durable.setup(trainer, model)
-        else:
-            super().setup(trainer, model)
+        durable_setup = self.durable.setup if self.durable is not None else super().setup
+        try:
+            durable_setup(trainer, model)
+        except Exception as exc:
+            # E.g. the newest durable checkpoint is unfinished because the job was killed during
+            # an async durable save: exactly when a RAM version helps. It is raised at restore
+            # time if no RAM version can be used either.
+            if not self.flashpoint:
+                raise
+            logger.warning("NeMo's AutoResume found no usable durable checkpoint (%s); resuming from RAM if a "
+                           "version is complete on every rank", exc)
+            trainer._flashpoint_durable_error = exc
         from ml_flashpoint_nemo.nemo.wrap import flashpoint_settings_of
 
         settings = flashpoint_settings_of(trainer)

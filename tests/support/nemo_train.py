@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("--durable-every", type=int, default=0, help="NeMo ModelCheckpoint interval; 0: none")
     parser.add_argument("--durable-dir", default=None, help="NeMoLogger dir of the durable checkpoints")
     parser.add_argument("--route", choices=("none", "wrap", "callback_config"), default="wrap")
+    parser.add_argument("--async-save", action="store_true", help="the strategy's ckpt_async_save (durable and RAM)")
     args = parser.parse_args()
     sys.path.insert(0, str(EXAMPLES))
 
@@ -59,7 +60,8 @@ def main() -> None:
         log, checkpoint = tiny_gpt.make_checkpointing(args.durable_dir, args.durable_every)
         callbacks.append(checkpoint)
         resume = FlashpointAutoResume(durable=tiny_gpt.make_resume())
-    trainer = tiny_gpt.make_trainer(args.steps, callbacks=callbacks, enable_checkpointing=bool(args.durable_every))
+    trainer = tiny_gpt.make_trainer(args.steps, callbacks=callbacks, enable_checkpointing=bool(args.durable_every),
+                                    ckpt_async_save=args.async_save)
     if args.route == "wrap":
         wrap_trainer_with_flashpoint(trainer, base_dir=args.base, **options)
     llm.train(tiny_gpt.make_model(), tiny_gpt.make_data(), trainer, log=log, resume=resume)
