@@ -8,6 +8,7 @@ uninterrupted one bit for bit: losses, parameters and optimizer state.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -51,7 +52,8 @@ def test_quickstart_recovers_from_ram_bit_exact(tmp_path):
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     assert "PASS: training after the crash matches the uninterrupted run bit for bit" in done.stdout
-    assert "resumed from RAM step 6" in done.stdout
+    # step 6 if its async save was finalized before the SIGKILL after step 8, else step 3 (a busy machine)
+    assert re.search(r"resumed from RAM step [36] ", done.stdout), done.stdout[-2000:]
 
 
 @pytest.mark.parametrize(
