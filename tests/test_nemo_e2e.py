@@ -7,6 +7,7 @@ uninterrupted one bit for bit: losses, parameters and optimizer state.
 
 from __future__ import annotations
 
+import csv
 import json
 import re
 import subprocess
@@ -103,7 +104,13 @@ def test_corrupted_ram_version_falls_back_to_the_older_one_with_a_warning(refere
 def test_callback_config_alone_wires_the_trainer_and_resumes_from_ram(reference, tmp_path, shm_dir):
     link_reference(reference, tmp_path)
     train(tmp_path, "crash", shm_dir, "--route", "callback_config", "--every", "2", "--kill-at", "5", expect=-9)
-    resumed = train(tmp_path, "resume", shm_dir, "--route", "callback_config", "--every", "2")
+    resumed = train(tmp_path, "resume", shm_dir, "--route", "callback_config", "--every", "2",
+                    "--csv-logger", str(tmp_path / "csv"))
     assert resumed["resumed_from"] == "ram", resumed
     assert [s["step"] for s in resumed["saves"]] == [6, 8], resumed["saves"]
     assert compare(tmp_path) == []
+    # every committed save was reported through the trainer's logger
+    rows = list(csv.DictReader((tmp_path / "csv" / "metrics" / "version_0" / "metrics.csv").open()))
+    committed = [row for row in rows if row.get("flashpoint/committed_step")]
+    assert [float(row["flashpoint/committed_step"]) for row in committed] == [6.0, 8.0], rows
+    assert all(float(row["flashpoint/bytes"]) > 0 and float(row["flashpoint/blocking_s"]) > 0 for row in committed)

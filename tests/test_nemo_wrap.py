@@ -81,3 +81,10 @@ def test_trainer_built_from_the_plugged_recipe_is_wired_at_setup(checks):
 def test_callback_saves_every_n_steps_skipping_durable_steps_unless_told_or_disabled(checks):
     # every 2 steps; ModelCheckpoint every 3: skip 6 and 12 / keep them / disabled
     assert checks["SHOULD_SAVE"] == "2,4,8,10 2,4,6,8,10,12 -", checks
+
+
+def test_checkpoint_io_routes_by_marker_and_real_containment(checks):
+    # a RAM version is retired by the flashpoint IO, a durable path by the wrapped IO; a marked save
+    # outside the base dir and an unmarked (durable) save inside it are both refused
+    assert checks["ROUTING"] == ("ram_removed True durable_removed True marked_outside BaseDirError "
+                                 "unmarked_inside BaseDirError"), checks

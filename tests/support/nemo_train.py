@@ -29,6 +29,7 @@ def main() -> None:
     parser.add_argument("--durable-dir", default=None, help="NeMoLogger dir of the durable checkpoints")
     parser.add_argument("--route", choices=("none", "wrap", "callback_config"), default="wrap")
     parser.add_argument("--async-save", action="store_true", help="the strategy's ckpt_async_save (durable and RAM)")
+    parser.add_argument("--csv-logger", default=None, help="give the trainer a Lightning CSVLogger writing here")
     args = parser.parse_args()
     sys.path.insert(0, str(EXAMPLES))
 
@@ -38,6 +39,7 @@ def main() -> None:
     import tiny_gpt
     import torch
     from fiddle import build
+    from lightning.pytorch.loggers import CSVLogger
     from nemo import lightning as nl
     from nemo.collections import llm
 
@@ -60,8 +62,9 @@ def main() -> None:
         log, checkpoint = tiny_gpt.make_checkpointing(args.durable_dir, args.durable_every)
         callbacks.append(checkpoint)
         resume = FlashpointAutoResume(durable=tiny_gpt.make_resume())
+    logger = CSVLogger(args.csv_logger, name="metrics") if args.csv_logger else False
     trainer = tiny_gpt.make_trainer(args.steps, callbacks=callbacks, enable_checkpointing=bool(args.durable_every),
-                                    ckpt_async_save=args.async_save)
+                                    ckpt_async_save=args.async_save, logger=logger)
     if args.route == "wrap":
         wrap_trainer_with_flashpoint(trainer, base_dir=args.base, **options)
     llm.train(tiny_gpt.make_model(), tiny_gpt.make_data(), trainer, log=log, resume=resume)

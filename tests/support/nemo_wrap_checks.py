@@ -52,6 +52,7 @@ def main() -> None:
     print("TWICE same_callback", first is second,
           "one_callback", sum(isinstance(c, FlashpointCallback) for c in wired.callbacks) == 1,
           "io_wraps_durable", isinstance(io, FlashpointCheckpointIO) and io.checkpoint_io is durable)
+    print("ROUTING", routing(wired, base))
     print("SHOULD_SAVE", should_save_steps(base))
     os.environ["SLURM_JOB_ID"] = "4242"
     from_env = trainer()
@@ -60,6 +61,28 @@ def main() -> None:
     plugin_trainer = recipe_with_plugin(base)
     for t in (wired, from_env, plugin_trainer):
         t._flashpoint.io.close()
+
+
+def routing(wired, base: str) -> str:
+    """Which IO a path goes to: removal of a RAM version vs a durable one, and the refused mixes."""
+    import tempfile
+
+    import torch
+
+    from ml_flashpoint_nemo.core import CheckpointSaver, committed_steps
+    from ml_flashpoint_nemo.core.layout import CheckpointLayout
+    from ml_flashpoint_nemo.nemo.checkpoint_io import FLASHPOINT_SAVE
+
+    io = wired.strategy.checkpoint_io
+    with CheckpointSaver(base, rank=0) as saver:
+        saver.save(5, {"w": torch.ones(4)})
+    io.remove_checkpoint(os.path.join(base, "step-5"))
+    durable = tempfile.mkdtemp(prefix="durable-")
+    io.remove_checkpoint(durable)
+    marked_outside = outcome(lambda: io.save_checkpoint({}, os.path.join(durable, "step-3"), {FLASHPOINT_SAVE: True}))
+    unmarked_inside = outcome(lambda: io.save_checkpoint({}, os.path.join(base, "step-3")))
+    return (f"ram_removed {committed_steps(CheckpointLayout(base)) == []} durable_removed {not os.path.exists(durable)} "
+            f"marked_outside {marked_outside.split(':')[0]} unmarked_inside {unmarked_inside.split(':')[0]}")
 
 
 def should_save_steps(base: str) -> str:
