@@ -195,15 +195,25 @@ class FlashpointCheckpointIO(AsyncFinalizableCheckpointIO):
             finalized = bool(durable_finalize(blocking)) or finalized
         return finalized
 
-    def close(self) -> None:
-        """Finish pending RAM saves and stop the flashpoint worker and Manager (RAM versions stay)."""
-        if self.flashpoint_queue.get_num_unfinalized_calls() > 0:
+    def close(self, *, finalize: bool = True) -> None:
+        """Stop the flashpoint worker, replication and Manager (RAM versions stay).
+
+        finalize=True (collective) commits saves still in flight; without it they are dropped and
+        the newest committed version stays the one to resume from.
+        """
+        pending = self.flashpoint_queue.get_num_unfinalized_calls()
+        if pending and finalize:
             self.finalize_flashpoint(blocking=True)
-        self.flashpoint_queue.close()
+        elif pending:
+            logger.warning("%d flashpoint save(s) still in flight are dropped; the newest committed RAM version "
+                           "is kept", pending)
+        self.flashpoint_queue.close(abort=bool(pending) and not finalize)
         self.flashpoint_strategy.close()
 
     def teardown(self) -> None:
-        self.close()
+        # Lightning also tears down after an error, when other ranks may be gone: no collectives here.
+        # The callback finalizes at the end of training, on every rank.
+        self.close(finalize=False)
         self.checkpoint_io.teardown()
 
 
