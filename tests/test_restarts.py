@@ -16,15 +16,26 @@ which is harmless here.
 
 Orphans: right before its SIGKILL, rank 1 writes its descendants (pid, create time, cmdline, owner)
 to a file; 5 s after that, the test checks that none of them is still alive (a zombie counts as
-dead). Both launchers stop a worker group with os.killpg(<rank pid>, SIGTERM) (torch elastic's
-SubprocessHandler starts each rank in its own session), which would also kill a dead rank's
-helpers and hide an orphan; so the launchers run with --monitor-interval 10 and the test asserts
-that the check happened before the launcher noticed the failure. What cleans up is therefore the
+dead). The job also writes NeMo's async durable checkpoints (--durable-every 3 --async-save), so
+Megatron's async-save helpers run in the killed rank too. Both launchers stop a worker group with
+os.killpg(<rank pid>, SIGTERM) (torch elastic's SubprocessHandler starts each rank in its own
+session), which would also kill a dead rank's helpers and hide an orphan; so the launchers run with
+--monitor-interval 10, the test polls the helpers every 0.1 s after the kill, and it asserts that
+our Manager was gone before the launcher logged the failure ("failed (exitcode: ..."). What cleans up is therefore the
 helpers' own mechanism: our Manager (ml_flashpoint_nemo.core.manager) has PR_SET_PDEATHSIG(SIGKILL)
 and a parent-pipe watchdog; the stdlib resource tracker exits when the last process holding its
 pipe (the rank and its spawned children) is gone. The test asserts on our Manager; other helpers
-(Megatron's async-save processes, if any) are printed, and the resource tracker is asserted only
-when no other helper survived (it legitimately lives as long as any spawned child holds its pipe).
+are printed, and the resource tracker is asserted only when no other helper survived (it
+legitimately lives as long as any spawned child holds its pipe).
+
+Known orphan, not ours (printed, not asserted): Megatron's results-queue Manager. Its async durable
+save calls megatron.core.dist_checkpointing.strategies.filesystem_async._get_write_results_queue(),
+i.e. mp.get_context("spawn").Manager().Queue(): a stdlib SyncManager server process
+("python -B -c from multiprocessing.spawn import spawn_main; ...") with no parent-death signal and no
+parent watch; the stdlib stops it only through its Finalize/shutdown in the parent, which a SIGKILL
+never runs, so it keeps serving after the rank died and holds the resource tracker's pipe (the
+tracker stays alive as well). It goes away only when the launcher kill()s the dead rank's process
+group (or the test's cleanup). Megatron's fork()ed async caller and writer processes do exit.
 """
 
 from __future__ import annotations
@@ -54,6 +65,14 @@ TRAIN_FLAGS = ["--steps", str(STEPS), "--every", str(EVERY), "--async-save"]
 ORPHAN_GRACE_S = 5.0
 MONITOR_INTERVAL_S = 10  # the launcher notices the dead rank only after the orphan check (see the docstring)
 TIMEOUT_S = 240
+DURABLE_EVERY = 3
+# torchrun's c10d rendezvous shares its TCPStore with the ranks (TORCHELASTIC_USE_AGENT_STORE=True) and the store
+# outlives a restart, so gloo's connectFullMesh in incarnation 1 reads the peer address incarnation 0 left there:
+# "Gloo connectFullMesh failed ... timed out connecting: SO_ERROR: Connection refused" (pytorch/pytorch#135712,
+# #167288). ft_launcher sets TORCHELASTIC_USE_AGENT_STORE only for the static rendezvous, so it is not affected.
+# what both launchers log when their monitor finds a failed rank, before they stop the worker group
+LAUNCHER_NOTICED = "failed (exitcode: "
+LAUNCHER_ENV = {"ft_launcher": {}, "torchrun": {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}}
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +95,20 @@ def alive(entry: dict[str, Any]) -> bool:
         return False
 
 
+def watch_helpers(helpers: list[dict[str, Any]], kill_time: float, log_path: Path) -> dict[int, tuple[float, bool]]:
+    """Poll helpers from the kill until ORPHAN_GRACE_S after it: pid -> (seconds after the kill it was found dead,
+    whether the launcher had already noticed the failure then - its killpg could have done it)."""
+    deaths: dict[int, tuple[float, bool]] = {}
+    while True:
+        now = time.time()
+        dead = [entry["pid"] for entry in helpers if entry["pid"] not in deaths and not alive(entry)]
+        noticed = LAUNCHER_NOTICED in log_path.read_text()  # read after the check: absent now, absent at the death
+        deaths.update((pid, (now - kill_time, noticed)) for pid in dead)
+        if now >= kill_time + ORPHAN_GRACE_S:
+            return deaths
+        time.sleep(0.1)
+
+
 def launcher_command(launcher: str, port: int) -> list[str]:
     command = [str(BIN / launcher), "--nproc-per-node", "2", "--max-restarts", "1", "--rdzv-backend", "c10d",
                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"restart-{port}",
@@ -90,13 +123,15 @@ def run_elastic(launcher: str, out: Path, base: Path) -> dict[str, Any]:
     pids_file = out / "killed-rank.json"
     log_path = out / "launcher.log"
     (out / "resume").mkdir(parents=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1", RESTART_KILL_RANK=str(KILL_RANK), RESTART_KILL_AT=str(KILL_AT),
+    env = dict(os.environ, OMP_NUM_THREADS="1", **LAUNCHER_ENV[launcher], RESTART_KILL_RANK=str(KILL_RANK), RESTART_KILL_AT=str(KILL_AT),
                RESTART_PIDS_FILE=str(pids_file), PYTHONPATH=str(REPO))
     command = [*launcher_command(launcher, free_port()), str(REPO / "tests" / "support" / "restart_rank.py"),
-               *TRAIN_FLAGS, "--out", str(out / "resume"), "--base", str(base)]
+               *TRAIN_FLAGS, "--out", str(out / "resume"), "--base", str(base),
+               # NeMo's async durable checkpoints too, so Megatron's async-save helpers run in the killed rank
+               "--durable-every", str(DURABLE_EVERY), "--durable-dir", str(out / "durable")]
     killed: dict[str, Any] | None = None
     survivors: list[dict[str, Any]] = []
-    launcher_noticed_first = None
+    deaths: dict[int, tuple[float, bool]] = {}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -105,9 +140,8 @@ def run_elastic(launcher: str, out: Path, base: Path) -> dict[str, Any]:
         while proc.poll() is None and time.monotonic() < deadline:
             if killed is None and pids_file.exists():
                 killed = json.loads(pids_file.read_text())
-                time.sleep(max(0.0, pids_file.stat().st_mtime + ORPHAN_GRACE_S - time.time()))
-                survivors = [entry for entry in killed["descendants"] if alive(entry)]
-                launcher_noticed_first = "exitcode: -9" in log_path.read_text()
+                deaths = watch_helpers(killed["descendants"], pids_file.stat().st_mtime, log_path)
+                survivors = [entry for entry in killed["descendants"] if entry["pid"] not in deaths]
             time.sleep(0.2)
         timed_out = proc.poll() is None
     finally:
@@ -123,7 +157,7 @@ def run_elastic(launcher: str, out: Path, base: Path) -> dict[str, Any]:
     assert not timed_out, f"{launcher} did not finish within {TIMEOUT_S} s\n{log_text[-5000:]}"
     result_path = out / "resume" / "result.json"
     return {"code": proc.returncode, "log": log_text, "killed": killed, "survivors": survivors,
-            "launcher_noticed_first": launcher_noticed_first,
+            "deaths": deaths,
             "result": json.loads(result_path.read_text()) if result_path.exists() else None}
 
 
@@ -153,17 +187,19 @@ def test_restarted_worker_group_resumes_from_ram_bit_exact(elastic_run):
 def test_no_helper_of_a_sigkilled_rank_outlives_it(elastic_run):
     killed = elastic_run["killed"]
     assert killed is not None, "the rank never wrote its pids before the SIGKILL\n" + elastic_run["log"][-3000:]
-    assert elastic_run["launcher_noticed_first"] is False, (
-        "the launcher had already stopped the worker group (killpg) when the orphan check ran; "
-        "raise MONITOR_INTERVAL_S")
-    descendants = killed["descendants"]
+    descendants, deaths = killed["descendants"], elastic_run["deaths"]
     print(f"{elastic_run['launcher']}: rank {killed['rank']} (pid {killed['pid']}) had {len(descendants)} descendants:")
     for entry in descendants:
-        state = "ALIVE" if entry in elastic_run["survivors"] else "gone"
-        print(f"  {state} {entry['owner']:16} pid {entry['pid']} ppid {entry['ppid']}: {' '.join(entry['cmdline'])}")
+        seconds, noticed = deaths.get(entry["pid"], (None, None))
+        state = (f"ALIVE after {ORPHAN_GRACE_S:.0f} s" if seconds is None else
+                 f"gone after {seconds:.1f} s{' (launcher had noticed)' if noticed else ''}")
+        print(f"  {state:34} {entry['owner']:16} pid {entry['pid']} ppid {entry['ppid']}: {' '.join(entry['cmdline'])}")
     assert any(entry["owner"] == "flashpoint" for entry in descendants), "our Manager was not running"
     ours = [entry for entry in elastic_run["survivors"] if entry["owner"] == "flashpoint"]
-    others = [entry for entry in elastic_run["survivors"] if entry["owner"] == "other"]
+    by_launcher = [entry for entry in descendants if entry["owner"] == "flashpoint" and deaths[entry["pid"]][1]]
+    assert by_launcher == [], ("our Manager was still alive when the launcher noticed the failure (its killpg may "
+                               f"have ended it, not our own mechanism); raise MONITOR_INTERVAL_S: {by_launcher}")
+    others = [entry for entry in elastic_run["survivors"] if entry["owner"] not in ("flashpoint", "resource_tracker")]
     tracker = [entry for entry in elastic_run["survivors"] if entry["owner"] == "resource_tracker"]
     assert ours == [], f"our Manager outlived the SIGKILLed rank by {ORPHAN_GRACE_S} s: {ours}"
     if not others:

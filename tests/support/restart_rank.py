@@ -31,11 +31,19 @@ def helper_owners() -> dict[int, str]:
 
     owners = {}
     for obj in gc.get_objects():
-        if isinstance(obj, ManagerFuture) and obj.pid is not None:
+        # type(), not isinstance(): some NeMo placeholders raise on any attribute access (__class__ too)
+        if type(obj) is ManagerFuture and obj.pid is not None:
             owners[obj.pid] = "flashpoint"
     tracker = getattr(resource_tracker._resource_tracker, "_pid", None)  # noqa: SLF001
     if tracker is not None:
         owners[tracker] = "resource_tracker"
+    # Megatron's async durable save: filesystem_async._get_write_results_queue() does
+    # mp.get_context("spawn").Manager().Queue(); the proxy keeps its SyncManager in ._manager
+    fs_async = sys.modules.get("megatron.core.dist_checkpointing.strategies.filesystem_async")
+    queue = getattr(fs_async, "_results_queue", None)
+    process = getattr(getattr(queue, "_manager", None), "_process", None)
+    if process is not None and process.pid not in owners:
+        owners[process.pid] = "megatron_manager"
     return owners
 
 
@@ -47,7 +55,9 @@ def descendants() -> list[dict[str, Any]]:
     found = []
     for proc in psutil.Process().children(recursive=True):
         try:
-            owner = owners.get(proc.pid) or owners.get(proc.ppid(), "other")
+            owner = owners.get(proc.pid) or owners.get(proc.ppid())
+            if owner is None:  # a fork() of the rank (Megatron's async caller and its writers) runs its cmdline
+                owner = "fork_of_rank" if proc.cmdline() == psutil.Process().cmdline() else "other"
             found.append({"pid": proc.pid, "ppid": proc.ppid(), "create_time": proc.create_time(),
                           "cmdline": proc.cmdline(), "owner": owner})
         except psutil.Error:
