@@ -11,11 +11,8 @@ import ctypes
 import errno
 import os
 import random
-import shutil
-import subprocess
 import sys
 import threading
-import uuid
 from pathlib import Path
 from typing import Iterator
 
