@@ -60,3 +60,10 @@ def discover_nodes(base_dir: str | os.PathLike[str]) -> NodeTopology:
     identities: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(identities, node_identity(base_dir))
     return NodeTopology.from_identities(identities, dist.get_rank())
+
+
+def problems_of_every_rank(problem: str | None) -> list[str]:
+    """Collective: every rank's problem (None: none), so that every rank takes the same branch."""
+    problems: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    return [p for p in problems if p]

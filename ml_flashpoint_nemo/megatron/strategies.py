@@ -66,7 +66,7 @@ from ml_flashpoint_nemo.core.manager import (
     wait_for_manager,
 )
 from ml_flashpoint_nemo.core.saver import SealJob, StagedObject, seal_object
-from ml_flashpoint_nemo.core.topology import NodeTopology, discover_nodes, node_identity
+from ml_flashpoint_nemo.core.topology import NodeTopology, discover_nodes, node_identity, problems_of_every_rank
 from ml_flashpoint_nemo.core.tuning import default_copy_threads
 from ml_flashpoint_nemo.core.version_files import check_version_files, version_copy, write_version_copy
 from ml_flashpoint_nemo.core.versions import delete_superseded, read_commit
@@ -200,9 +200,7 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
             queue = wait_for_manager(self.manager_future, what="the first flashpoint save").Queue()
         except Exception as exc:  # noqa: BLE001 - shared with every rank below
             error = f"rank {dist.get_rank()}: {exc}"
-        errors: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-        failed = [e for e in errors if e]
+        failed = problems_of_every_rank(error)
         if failed:
             raise ManagerStartError("the flashpoint save cannot start: " + "; ".join(failed))
         self._report_queue = queue
@@ -361,9 +359,7 @@ class _NodeCopies:
                     write_version_copy(layout, step, box[0])
                 except Exception as exc:  # noqa: BLE001 - reported to every rank below
                     error = f"rank {rank} (node {self.topology.node}): {type(exc).__name__}: {exc}"
-        errors: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-        failed = [e for e in errors if e]
+        failed = problems_of_every_rank(error)
         if failed:
             raise FlashpointError(
                 f"step {step} is committed on the coordinator's node but not on every node: " + "; ".join(failed)

@@ -36,7 +36,7 @@ from ml_flashpoint_nemo import _core
 from ml_flashpoint_nemo.core.format import CommitRecord, ObjectRecord
 from ml_flashpoint_nemo.core.layout import COMMIT_NAME, CheckpointLayout, rank_of_object
 from ml_flashpoint_nemo.core.loader import open_object
-from ml_flashpoint_nemo.core.topology import NodeTopology, discover_nodes
+from ml_flashpoint_nemo.core.topology import NodeTopology, discover_nodes, problems_of_every_rank
 from ml_flashpoint_nemo.core.version_files import FILES_KEY, check_version_files
 from ml_flashpoint_nemo.core.versions import fsync_directory, read_commit
 from ml_flashpoint_nemo.errors import ChecksumError, CorruptCheckpointError
@@ -64,13 +64,6 @@ def _inventory(layout: CheckpointLayout) -> dict[int, tuple[bool, list[str]]]:
     return found
 
 
-def _gathered(problem: str | None) -> list[str]:
-    """Collective: every rank's problem (None: none), so every rank takes the same branch."""
-    problems: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(problems, problem)
-    return [p for p in problems if p]
-
-
 def fetch_missing_from_peers(base_dir: str | os.PathLike[str], config: ReplicationConfig | None = None) -> int | None:
     """Collective: make the newest step possible complete on every node; returns it (None: none can be)."""
     config = config or ReplicationConfig()
@@ -96,9 +89,9 @@ def fetch_missing_from_peers(base_dir: str | os.PathLike[str], config: Replicati
                 return step  # nothing to fetch for the newest candidate
             if endpoints is None:
                 endpoints = peer_endpoints(base_dir, config)
-            failed = _gathered(_phase_a(layout, topology, step, has_commit, endpoints, config))
+            failed = problems_of_every_rank(_phase_a(layout, topology, step, has_commit, endpoints, config))
             if not failed:
-                failed = _gathered(_phase_b(layout, topology, step, present, endpoints, config))
+                failed = problems_of_every_rank(_phase_b(layout, topology, step, present, endpoints, config))
             if failed:
                 _skip(step, failed)
                 continue
