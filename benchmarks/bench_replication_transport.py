@@ -1,10 +1,23 @@
-"""Replication transport throughput over loopback: TransferServer push vs raw TCP, same run.
+"""Replication transport throughput over loopback: TransferServer push and fetch vs raw TCP, same run.
 
 Prints one JSON object. The raw baseline is a plain C++ send()/recv() loop between two threads
 of this process (`_core.raw_tcp_throughput`), the same language as the transfer service, so the
-ratio measures what the protocol costs (handshake, CRC32C on both ends, writing a fresh tmpfs
-file, fsync, rename), not Python. Runs alternate raw / push / push-without-sendfile so drift on
-a shared machine hits all of them alike; medians and bests are reported, the ratio uses medians.
+ratio measures what the protocol costs (handshake, CRC32C on the receiving end, writing the tmpfs
+file, fsync, rename), not Python.
+
+The source is a real object written by CheckpointSaver (tensors of several dtypes, an empty one,
+odd sizes). Two figures are reported for each direction:
+
+- steady (the keys without a suffix; ratio_push_vs_raw): the state of a running job. The sender
+  passes the object's CRC32C derived from its index (core.format.whole_object_crc32c, timed as
+  part of the push), so it only sendfile()s the data; each received replica is then retired into
+  the receiver's replica spare directory exactly as the replication service retires a version
+  (replication.service.SpareFiles), so the next reception overwrites warm tmpfs pages.
+- cold (`*_cold`): a first transfer: no known CRC (the sender reads and checksums every chunk)
+  and no spare (the receiver faults in and zeroes fresh tmpfs pages).
+
+Runs alternate raw / push / push without sendfile / cold push / fetch / cold fetch, so drift on a
+shared machine hits all of them alike; medians and bests are reported, the ratios use medians.
 
     python benchmarks/bench_replication_transport.py [--mib 512] [--repeats 5]
 
@@ -21,20 +34,100 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
+
+import torch
 
 from ml_flashpoint_nemo import _core
+from ml_flashpoint_nemo.core.format import ObjectRecord, whole_object_crc32c
+from ml_flashpoint_nemo.core.layout import REPLICA_SPARES, CheckpointLayout
+from ml_flashpoint_nemo.core.saver import CheckpointSaver
+from ml_flashpoint_nemo.replication.service import SpareFiles
 
 SECRET = b"bench-replication-secret-0123456789"
+STEP = 1
+HOST = "127.0.0.1"
 
 
-def _make_object(path: str, nbytes: int) -> None:
-    block = os.urandom(1 << 20)
-    with open(path, "wb") as f:
-        left = nbytes
-        while left > 0:
-            n = min(left, len(block))
-            f.write(block[:n])
-            left -= n
+def _state_of(nbytes: int) -> dict[str, torch.Tensor]:
+    """About nbytes of tensors: mostly large float32, plus bfloat16, int64 of an odd size and an empty one."""
+    big = max(1, nbytes // 4 - (1 << 20))
+    per_tensor = big // 4
+    state = {f"layer{i}.weight": torch.randn(per_tensor // 4) for i in range(4)}
+    state["embedding"] = torch.randn(1 << 18).to(torch.bfloat16)
+    state["step_counts"] = torch.arange(100_003, dtype=torch.int64)
+    state["empty"] = torch.empty(0, 7)
+    state["scale"] = torch.tensor(0.5)
+    used = sum(t.numel() * t.element_size() for t in state.values())
+    state["rest"] = torch.randn(max(0, nbytes - used) // 4)
+    return state
+
+
+def _save_source(base: str, nbytes: int) -> ObjectRecord:
+    """Save one version with the real saver; returns its object's commit record entry."""
+    with CheckpointSaver(base) as saver:
+        return saver.save(STEP, _state_of(nbytes), keep=None).objects[0]
+
+
+class Endpoints:
+    """The sending base with its object, and the receiving base with its spare directory."""
+
+    def __init__(self, root: str, nbytes: int) -> None:
+        self.src = CheckpointLayout(os.path.join(root, "src"))
+        self.dst = CheckpointLayout(os.path.join(root, "dst"))
+        self.dst.base_dir.mkdir(parents=True)
+        self.record = _save_source(os.fspath(self.src.base_dir), nbytes)
+        self.object_path = self.src.object_path(STEP, self.record.name)
+        self.remote = f"step-{STEP}/{self.record.name}"
+        self.replica = self.dst.object_path(STEP, self.record.name)
+        self.fetched = self.dst.version_dir(STEP) / "fetched.fpo"
+
+    def retire_into_spares(self, path: Path) -> None:
+        """What the replication service does with a retired replica: keep it as a spare."""
+        spares = SpareFiles(self.dst, budget=path.stat().st_size)
+        spares.retire(path, path.stat().st_size)
+        spares.trim()
+
+
+def _push(ends: Endpoints, port: int, *, known_crc: bool, zero_copy: bool, spare: bool) -> float:
+    fd = os.open(ends.object_path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        started = time.perf_counter()
+        crc = whole_object_crc32c(fd, str(ends.object_path), ends.record) if known_crc else None
+        crc_seconds = time.perf_counter() - started
+        r = _core.transfer_push_fd(HOST, port, SECRET, fd, ends.remote, length=ends.record.nbytes, crc32c=crc,
+                                   zero_copy=zero_copy, retries=0)
+    finally:
+        os.close(fd)
+    assert r["nbytes"] == ends.record.nbytes
+    _dispose(ends, ends.replica, spare)
+    return r["nbytes"] / (crc_seconds + r["seconds"])
+
+
+def _fetch(ends: Endpoints, port: int, *, spare: bool) -> float:
+    r = _core.transfer_fetch(HOST, port, SECRET, ends.remote, os.fspath(ends.dst.base_dir),
+                             os.path.relpath(ends.fetched, ends.dst.base_dir),
+                             spare_dir=REPLICA_SPARES if spare else None, retries=0)
+    _dispose(ends, ends.fetched, spare)
+    return r["nbytes"] / r["seconds"]
+
+
+def _dispose(ends: Endpoints, path: Path, spare: bool) -> None:
+    """Steady runs keep the received file as a spare; cold runs delete it (the next one starts cold)."""
+    if spare:
+        ends.retire_into_spares(path)
+    else:
+        path.unlink()
+
+
+def _summary(values: list[float]) -> dict:
+    return {"median_gb_per_s": round(statistics.median(values) / 1e9, 3),
+            "best_gb_per_s": round(max(values) / 1e9, 3),
+            "runs_gb_per_s": [round(v / 1e9, 3) for v in values]}
+
+
+def _ratio(results: dict[str, list[float]], key: str) -> float:
+    return round(statistics.median(results[key]) / statistics.median(results["raw_tcp"]), 3)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -44,63 +137,49 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dir", default="/dev/shm", help="tmpfs to put both base directories on")
     args = parser.parse_args(argv)
     nbytes = args.mib << 20
+    kinds = ["raw_tcp", "push_sendfile", "push_send", "push_cold", "fetch", "fetch_cold"]
+    results: dict[str, list[float]] = {k: [] for k in kinds}
 
     root = tempfile.mkdtemp(prefix="flashpoint-bench-xfer-", dir=args.dir)
     try:
-        src_dir = os.path.join(root, "src")
-        dst_dir = os.path.join(root, "dst")
-        os.makedirs(os.path.join(src_dir, "step-1"))
-        os.makedirs(dst_dir)
-        _make_object(os.path.join(src_dir, "step-1", "rank-00000-0.fpo"), nbytes)
-        results: dict[str, list[float]] = {"raw_tcp": [], "push_sendfile": [], "push_send": [], "fetch": []}
-        with _core.TransferServer(dst_dir, SECRET, max_connections=2) as server:
-            def push(zero_copy: bool) -> float:
-                r = _core.transfer_push("127.0.0.1", server.port, SECRET, src_dir, "step-1/rank-00000-0.fpo",
-                                        zero_copy=zero_copy, retries=0)
-                assert r["nbytes"] == nbytes
-                # The replica replaced by the next push would otherwise be freed inside it.
-                os.unlink(os.path.join(dst_dir, "step-1", "rank-00000-0.fpo"))
-                return nbytes / r["seconds"]
-
-            def fetch() -> float:
-                t0 = time.perf_counter()
-                _core.transfer_fetch("127.0.0.1", server.port, SECRET, "step-1/rank-00000-0.fpo", src_dir,
-                                     "step-1/fetched.fpo", retries=0)
-                dt = time.perf_counter() - t0
-                os.unlink(os.path.join(src_dir, "step-1", "fetched.fpo"))
-                return nbytes / dt
-
-            push(True)  # warm-up: page cache of the source, socket buffers, code paths
-            _core.raw_tcp_throughput(nbytes)
+        ends = Endpoints(root, nbytes)
+        dst = os.fspath(ends.dst.base_dir)
+        with _core.TransferServer(dst, SECRET, max_connections=2, spare_dir=REPLICA_SPARES) as steady, \
+                _core.TransferServer(dst, SECRET, max_connections=2) as cold, \
+                _core.TransferServer(os.fspath(ends.src.base_dir), SECRET, max_connections=2) as source:
+            runs = {
+                "raw_tcp": lambda: _core.raw_tcp_throughput(nbytes)["bytes_per_s"],
+                "push_sendfile": lambda: _push(ends, steady.port, known_crc=True, zero_copy=True, spare=True),
+                "push_send": lambda: _push(ends, steady.port, known_crc=True, zero_copy=False, spare=True),
+                "push_cold": lambda: _push(ends, cold.port, known_crc=False, zero_copy=True, spare=False),
+                "fetch": lambda: _fetch(ends, source.port, spare=True),
+                "fetch_cold": lambda: _fetch(ends, source.port, spare=False),
+            }
+            for kind in kinds:  # warm-up: page cache, socket buffers, code paths, the first spare
+                runs[kind]()
             for _ in range(args.repeats):
-                results["raw_tcp"].append(_core.raw_tcp_throughput(nbytes)["bytes_per_s"])
-                results["push_sendfile"].append(push(True))
-                results["push_send"].append(push(False))
-                # The fetch needs the object on the serving side.
-                shutil.copyfile(os.path.join(src_dir, "step-1", "rank-00000-0.fpo"),
-                                os.path.join(dst_dir, "step-1", "rank-00000-0.fpo"))
-                results["fetch"].append(fetch())
-                os.unlink(os.path.join(dst_dir, "step-1", "rank-00000-0.fpo"))
-            server_errors = server.errors()
+                for kind in kinds:
+                    results[kind].append(runs[kind]())
+            steady_stats = steady.stats()
+            server_errors = steady.errors() + cold.errors() + source.errors()
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
-    def summary(values: list[float]) -> dict:
-        return {"median_gb_per_s": round(statistics.median(values) / 1e9, 3),
-                "best_gb_per_s": round(max(values) / 1e9, 3),
-                "runs_gb_per_s": [round(v / 1e9, 3) for v in values]}
-
-    raw = statistics.median(results["raw_tcp"])
     out = {
         "object_mib": args.mib,
+        "object_nbytes": ends.record.nbytes,
         "repeats": args.repeats,
         "cpu_count": os.cpu_count(),
         "crc32c_backend": _core.crc32c_backend(),
-        **{k: summary(v) for k, v in results.items()},
-        "ratio_push_vs_raw": round(statistics.median(results["push_sendfile"]) / raw, 3),
-        "ratio_push_send_vs_raw": round(statistics.median(results["push_send"]) / raw, 3),
-        "ratio_fetch_vs_raw": round(statistics.median(results["fetch"]) / raw, 3),
+        **{k: _summary(v) for k, v in results.items()},
+        "ratio_push_vs_raw": _ratio(results, "push_sendfile"),
+        "ratio_push_send_vs_raw": _ratio(results, "push_send"),
+        "ratio_push_cold_vs_raw": _ratio(results, "push_cold"),
+        "ratio_fetch_vs_raw": _ratio(results, "fetch"),
+        "ratio_fetch_cold_vs_raw": _ratio(results, "fetch_cold"),
         "ratio_best_push_vs_best_raw": round(max(results["push_sendfile"]) / max(results["raw_tcp"]), 3),
+        "steady_pushes_into_spares": steady_stats["spares_taken"],
+        "steady_pushes_through_kept_mappings": steady_stats["mappings_reused"],
         "target_ratio": 0.7,
         "server_errors": server_errors,
     }

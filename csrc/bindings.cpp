@@ -96,6 +96,22 @@ TransferOptions transfer_options(double connect_timeout_s, double io_timeout_s, 
   return o;
 }
 
+// A known CRC32C passed from Python (None: the sender computes it while sending).
+void set_known_crc(TransferOptions& o, const py::object& crc) {
+  if (crc.is_none()) return;
+  const long long value = crc.cast<long long>();
+  if (value < 0 || value > 0xFFFFFFFFLL) throw std::invalid_argument("crc32c must be in 0..2**32-1 or None");
+  o.has_known_crc = true;
+  o.known_crc = static_cast<uint32_t>(value);
+}
+
+std::string optional_relative_path(const py::object& path) {
+  if (path.is_none()) return std::string();
+  const std::string p = fspath(path);
+  split_relative_path(p);  // TransferPathError (a ValueError) naming it
+  return p;
+}
+
 py::dict transfer_result(const TransferResult& r) {
   py::dict d;
   d["nbytes"] = r.nbytes;
@@ -150,12 +166,13 @@ void register_transfer(py::module_& m) {
       "transfer_push",
       [](const std::string& host, int port, const py::bytes& secret, const py::object& local_base_dir,
          const std::string& path, const py::object& remote_path, double connect_timeout_s, double io_timeout_s,
-         int retries, double backoff_s, bool zero_copy) {
+         int retries, double backoff_s, bool zero_copy, const py::object& crc32c) {
         const std::string base = fspath(local_base_dir);
         const std::string remote = remote_path.is_none() ? std::string() : remote_path.cast<std::string>();
         if (!remote_path.is_none()) split_relative_path(remote);  // an explicit "" is refused, not defaulted
         const std::string key = secret;
-        const TransferOptions o = transfer_options(connect_timeout_s, io_timeout_s, retries, backoff_s, zero_copy, kDefaultMax);
+        TransferOptions o = transfer_options(connect_timeout_s, io_timeout_s, retries, backoff_s, zero_copy, kDefaultMax);
+        set_known_crc(o, crc32c);
         TransferResult r;
         {
           py::gil_scoped_release release;
@@ -166,13 +183,16 @@ void register_transfer(py::module_& m) {
       py::arg("host"), py::arg("port"), py::arg("secret"), py::arg("local_base_dir"), py::arg("path"),
       py::arg("remote_path") = py::none(), py::kw_only(), py::arg("connect_timeout_s") = 5.0,
       py::arg("io_timeout_s") = 30.0, py::arg("retries") = 3, py::arg("backoff_s") = 0.2,
-      py::arg("zero_copy") = true,
+      py::arg("zero_copy") = true, py::arg("crc32c") = py::none(),
       "Push local_base_dir/path to a TransferServer as remote_path (default: path).\n\n"
       "Both paths are relative and confined (no absolute path, '..', empty component, NUL, symlink).\n"
       "The server stores the object atomically (hidden temp file, CRC32C + length check, fsync, rename).\n"
       "Connect failures, timeouts, lost connections and checksum mismatches are retried `retries` times,\n"
       "sleeping backoff_s * 2**i before retry i; authentication failures and refusals are not.\n"
       "zero_copy=True sends with sendfile() (each chunk is pread and CRC'd first), else with send().\n"
+      "crc32c: the CRC32C of the bytes being sent when the caller knows it (e.g. from the object's\n"
+      "index): the data is then only sendfile()d, never read here; the receiver still checks the bytes\n"
+      "against it and refuses them (TransferChecksumError, nothing stored) when they differ.\n"
       "Returns {'nbytes', 'crc32c', 'attempts', 'seconds'}. Raises TransferAuthError, TransferPathError\n"
       "(also ValueError), TransferNotFoundError, TransferRefusedError, TransferChecksumError,\n"
       "TransferTimeoutError (also TimeoutError), TransferError (base, an OSError); ValueError for bad\n"
@@ -181,10 +201,11 @@ void register_transfer(py::module_& m) {
       "transfer_push_fd",
       [](const std::string& host, int port, const py::bytes& secret, int fd, const std::string& remote_path,
          uint64_t offset, const py::object& length, double connect_timeout_s, double io_timeout_s, int retries,
-         double backoff_s, bool zero_copy) {
+         double backoff_s, bool zero_copy, const py::object& crc32c) {
         const std::string key = secret;
         const uint64_t n = length.is_none() ? UINT64_MAX : length.cast<uint64_t>();
-        const TransferOptions o = transfer_options(connect_timeout_s, io_timeout_s, retries, backoff_s, zero_copy, kDefaultMax);
+        TransferOptions o = transfer_options(connect_timeout_s, io_timeout_s, retries, backoff_s, zero_copy, kDefaultMax);
+        set_known_crc(o, crc32c);
         TransferResult r;
         {
           py::gil_scoped_release release;
@@ -195,19 +216,21 @@ void register_transfer(py::module_& m) {
       py::arg("host"), py::arg("port"), py::arg("secret"), py::arg("fd"), py::arg("remote_path"), py::kw_only(),
       py::arg("offset") = 0, py::arg("length") = py::none(), py::arg("connect_timeout_s") = 5.0,
       py::arg("io_timeout_s") = 30.0, py::arg("retries") = 3, py::arg("backoff_s") = 0.2,
-      py::arg("zero_copy") = true,
+      py::arg("zero_copy") = true, py::arg("crc32c") = py::none(),
       "Like transfer_push, but sends bytes [offset, offset+length) of an open regular file (length None:\n"
-      "to the end). The file position is not used or changed.");
+      "to the end). The file position is not used or changed. crc32c, when given, is the CRC32C of\n"
+      "exactly those bytes.");
   m.def(
       "transfer_fetch",
       [](const std::string& host, int port, const py::bytes& secret, const std::string& remote_path,
          const py::object& local_base_dir, const py::object& local_path, double connect_timeout_s,
-         double io_timeout_s, int retries, double backoff_s, uint64_t max_object_bytes) {
+         double io_timeout_s, int retries, double backoff_s, uint64_t max_object_bytes, const py::object& spare_dir) {
         const std::string base = fspath(local_base_dir);
         const std::string local = local_path.is_none() ? std::string() : local_path.cast<std::string>();
         if (!local_path.is_none()) split_relative_path(local);  // an explicit "" is refused, not defaulted
         const std::string key = secret;
-        const TransferOptions o = transfer_options(connect_timeout_s, io_timeout_s, retries, backoff_s, true, max_object_bytes);
+        TransferOptions o = transfer_options(connect_timeout_s, io_timeout_s, retries, backoff_s, true, max_object_bytes);
+        o.spare_dir = optional_relative_path(spare_dir);
         TransferResult r;
         {
           py::gil_scoped_release release;
@@ -218,11 +241,13 @@ void register_transfer(py::module_& m) {
       py::arg("host"), py::arg("port"), py::arg("secret"), py::arg("remote_path"), py::arg("local_base_dir"),
       py::arg("local_path") = py::none(), py::kw_only(), py::arg("connect_timeout_s") = 5.0,
       py::arg("io_timeout_s") = 30.0, py::arg("retries") = 3, py::arg("backoff_s") = 0.2,
-      py::arg("max_object_bytes") = kDefaultMax,
+      py::arg("max_object_bytes") = kDefaultMax, py::arg("spare_dir") = py::none(),
       "Fetch remote_path from a TransferServer into local_base_dir/local_path (default: remote_path).\n\n"
       "Missing parent directories are created inside local_base_dir. The object is received into a hidden\n"
       "temp file, checked (length, CRC32C), fsynced and renamed into place only if it matches. Retries and\n"
-      "errors as transfer_push; objects over max_object_bytes are refused.");
+      "errors as transfer_push; objects over max_object_bytes are refused. spare_dir (relative to\n"
+      "local_base_dir, same file system): a directory of spare files; the temp file is one of them when\n"
+      "there is one (renamed, resized, overwritten), so the data lands on tmpfs pages that already exist.");
   m.def(
       "raw_tcp_throughput",
       [](uint64_t nbytes, size_t chunk_bytes) {
@@ -246,9 +271,15 @@ void register_transfer(py::module_& m) {
                              "max_pending more wait in a queue, beyond that they are closed at once. The handshake\n"
                              "and request must arrive within io_timeout_s, then every wait is bounded by it.\n"
                              "Errors inside the service threads are kept (last 1000) for errors(). Use as a\n"
-                             "context manager or call stop().")
+                             "context manager or call stop().\n\n"
+                             "spare_dir (relative to base_dir, same file system): a directory of spare files, e.g.\n"
+                             "retired replicas. A push takes one (the smallest that holds the object, else the\n"
+                             "largest) by renaming it to its temp name, resizes and overwrites it, so the data lands\n"
+                             "on tmpfs pages that already exist. Entries that are not plain singly linked files are\n"
+                             "ignored; a missing directory means no spares.")
       .def(py::init([](const py::object& base_dir, const py::bytes& secret, const std::string& host, int port,
-                       int max_connections, double io_timeout_s, uint64_t max_object_bytes, int max_pending) {
+                       int max_connections, double io_timeout_s, uint64_t max_object_bytes, int max_pending,
+                       const py::object& spare_dir) {
              TransferServerConfig c;
              c.base_dir = fspath(base_dir);
              c.secret = secret;
@@ -258,12 +289,13 @@ void register_transfer(py::module_& m) {
              c.io_timeout_s = io_timeout_s;
              c.max_object_bytes = max_object_bytes;
              c.max_pending = max_pending;
+             c.spare_dir = optional_relative_path(spare_dir);
              py::gil_scoped_release release;
              return std::unique_ptr<TransferServer>(new TransferServer(c));
            }),
            py::arg("base_dir"), py::arg("secret"), py::arg("host") = "127.0.0.1", py::arg("port") = 0,
            py::arg("max_connections") = 4, py::arg("io_timeout_s") = 30.0, py::arg("max_object_bytes") = kDefaultMax,
-           py::arg("max_pending") = 0)
+           py::arg("max_pending") = 0, py::arg("spare_dir") = py::none())
       .def_property_readonly("port", &TransferServer::port, "The bound TCP port.")
       .def_property_readonly("host", &TransferServer::host)
       .def_property_readonly("running", &TransferServer::running)
@@ -277,7 +309,9 @@ void register_transfer(py::module_& m) {
       .def(
           "errors", [](TransferServer& self) { return self.take_errors(); },
           "Errors raised inside the service threads since the last call, as strings (then cleared).")
-      .def("stats", &TransferServer::stats, "Counters: accepted, rejected_busy, auth_failures, ...")
+      .def("stats", &TransferServer::stats,
+           "Counters: accepted, rejected_busy, auth_failures, ..., spares_taken (pushes received into a spare\n"
+           "file), mappings_reused (of those, written through a mapping kept from an earlier reception).")
       .def("__enter__", [](py::object self) { return self; })
       .def("__exit__",
            [](TransferServer& self, const py::args&) {

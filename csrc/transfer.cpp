@@ -22,6 +22,7 @@
 #include "transfer.hpp"
 
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -30,6 +31,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <sys/eventfd.h>
+#include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/sendfile.h>
 #include <sys/socket.h>
@@ -445,12 +447,13 @@ void send_trailer(Channel& ch, uint64_t nbytes, uint32_t crc) {
 
 // --- paths --------------------------------------------------------------------------------
 
-// Opens (and with create, makes) the parent directories of components[0..n-2] under base_fd,
-// one component at a time with O_NOFOLLOW, so nothing resolves outside the base directory.
-Fd open_parent_dir(int base_fd, const std::vector<std::string>& comps, const std::string& path, bool create) {
+// Opens (and with create, makes) the directories comps[0..count-1] under base_fd, one
+// component at a time with O_NOFOLLOW, so nothing resolves outside the base directory.
+Fd open_confined_dirs(int base_fd, const std::vector<std::string>& comps, size_t count, const std::string& path,
+                      bool create) {
   Fd cur(::fcntl(base_fd, F_DUPFD_CLOEXEC, 0));
   if (cur.get() < 0) throw OsError(errno, "dup of the base directory failed", "");
-  for (size_t i = 0; i + 1 < comps.size(); ++i) {
+  for (size_t i = 0; i < count; ++i) {
     int fd = ::openat(cur.get(), comps[i].c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
     if (fd < 0 && errno == ENOENT && create) {
       if (::mkdirat(cur.get(), comps[i].c_str(), 0755) != 0 && errno != EEXIST)
@@ -468,6 +471,23 @@ Fd open_parent_dir(int base_fd, const std::vector<std::string>& comps, const std
     cur = Fd(fd);
   }
   return cur;
+}
+
+// The directory that holds the object at comps (every component but the last), confined.
+Fd open_parent_dir(int base_fd, const std::vector<std::string>& comps, const std::string& path, bool create) {
+  return open_confined_dirs(base_fd, comps, comps.size() - 1, path, create);
+}
+
+// The spare directory (relative to base_fd), confined; an empty Fd when it is not configured or
+// does not exist (yet). Spares only speed receptions up, so any other problem also means "none".
+Fd open_spare_dir(int base_fd, const std::string& spare_dir) {
+  if (spare_dir.empty()) return Fd();
+  try {
+    const auto comps = split_relative_path(spare_dir);
+    return open_confined_dirs(base_fd, comps, comps.size(), spare_dir, false);
+  } catch (const std::exception&) {
+    return Fd();
+  }
 }
 
 // Opens an existing regular file under base_fd for reading, confined.
@@ -491,40 +511,277 @@ Fd open_confined_for_read(int base_fd, const std::string& path, uint64_t* size_o
   return file;
 }
 
-// A hidden temporary file in the destination directory; removed unless commit() ran.
+// --- receiving into warm pages ------------------------------------------------------------
+
+constexpr uint64_t kMinMappedBytes = uint64_t(1) << 20;   // below this pwrite costs less than a mapping
+constexpr uint64_t kPopulateWindow = uint64_t(4) << 20;   // populated at a time, ahead of the receiver
+constexpr int kMadvPopulateRead = 22;                     // MADV_POPULATE_READ (Linux 5.14)
+
+// A writable shared mapping of the first `length` bytes of a file whose pages all exist (a
+// spare's). A helper thread populates it window by window just ahead of the receiver, on the
+// otherwise idle core, with MADV_POPULATE_READ: that reports a page the kernel cannot provide
+// as an error instead of a SIGBUS at the first write (and on tmpfs a shared mapping's read
+// faults map the pages writable, so the writes then take no faults at all). The receiver only
+// writes below the populated frontier; a failed populate stops the frontier and the rest of the
+// object goes through pwrite. Mapping and thread cost far less than pwrite's extra copy.
+class WarmMapping {
+ public:
+  // nullptr when the file cannot be mapped (the caller then uses pwrite).
+  static std::unique_ptr<WarmMapping> map(int fd, uint64_t length) {
+    void* p = ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) return nullptr;
+    std::unique_ptr<WarmMapping> m(new WarmMapping(static_cast<uint8_t*>(p), length));
+    try {
+      m->populator_ = std::thread([raw = m.get()] { raw->populate_all(); });
+    } catch (const std::exception&) {
+      return nullptr;  // no thread: unmapped by the destructor, pwrite instead
+    }
+    return m;
+  }
+  ~WarmMapping() {
+    settle();
+    ::munmap(data_, length_);
+  }
+  WarmMapping(const WarmMapping&) = delete;
+  WarmMapping& operator=(const WarmMapping&) = delete;
+  uint8_t* data() const { return data_; }
+  uint64_t length() const { return length_; }
+
+  // Stops populating (at once if still running) and joins the thread.
+  void settle() {
+    stop_.store(true);
+    if (populator_.joinable()) populator_.join();
+  }
+  // True once every page of the mapping was populated (then it is worth keeping).
+  bool fully_populated() const { return populated_.load() == length_; }
+
+  // Waits until [0, end) is populated or populating stopped; returns the populated end, <= end.
+  uint64_t wait_populated(uint64_t end) {
+    uint64_t ready = populated_.load(std::memory_order_acquire);
+    if (ready < end) {
+      std::unique_lock<std::mutex> lk(m_);
+      cv_.wait(lk, [&] { return (ready = populated_.load(std::memory_order_acquire)) >= end || finished_; });
+    }
+    return std::min(ready, end);
+  }
+
+ private:
+  WarmMapping(uint8_t* data, uint64_t length) : data_(data), length_(length) {}
+
+  void populate_all() {
+    uint64_t at = 0;
+    while (at < length_ && !stop_.load()) {
+      const uint64_t n = std::min(kPopulateWindow, length_ - at);
+      if (::madvise(data_ + at, n, kMadvPopulateRead) != 0) break;  // old kernel, no memory: stop here
+      at += n;
+      {
+        std::lock_guard<std::mutex> lk(m_);  // so that a receiver about to wait cannot miss it
+        populated_.store(at, std::memory_order_release);
+      }
+      cv_.notify_all();
+    }
+    {
+      std::lock_guard<std::mutex> lk(m_);
+      finished_ = true;
+    }
+    cv_.notify_all();
+  }
+
+  uint8_t* data_;
+  uint64_t length_;
+  std::atomic<uint64_t> populated_{0};
+  std::atomic<bool> stop_{false};
+  bool finished_ = false;
+  std::mutex m_;
+  std::condition_variable cv_;
+  std::thread populator_;
+};
+
+}  // namespace
+
+// Mappings of files this server received into, kept after the reception: the file becomes a
+// replica, is retired into the spare directory (renamed, same inode) and is taken back by a
+// later reception, which then writes through the kept mapping with no page-table set-up and
+// no tear-down (about a sixth of a steady reception's CPU time). Holding a mapping keeps the
+// memory of a file deleted meanwhile alive, so entries of deleted files are dropped at every
+// use and every second, and only a few mappings are kept.
+class WarmMappingCache {
+ public:
+  // The kept mapping of this file (now the caller's), if it covers at least length bytes.
+  std::unique_ptr<WarmMapping> take(const struct stat& st, uint64_t length) {
+    drop_deleted();
+    std::unique_ptr<WarmMapping> found;
+    std::lock_guard<std::mutex> lk(m_);
+    for (auto it = entries_.begin(); it != entries_.end(); ++it) {
+      if (it->dev == st.st_dev && it->ino == st.st_ino) {
+        if (it->map->length() >= length) found = std::move(it->map);
+        graveyard_.push_back(std::move(*it));  // a shorter mapping is dropped: a new one replaces it
+        entries_.erase(it);
+        break;
+      }
+    }
+    return found;
+  }
+
+  bool holds(dev_t dev, ino_t ino) {
+    std::lock_guard<std::mutex> lk(m_);
+    for (const auto& e : entries_)
+      if (e.dev == dev && e.ino == ino) return true;
+    return false;
+  }
+
+  // Keeps the fully populated mapping of a file that was just committed (fd stays open here).
+  void keep(int fd, std::unique_ptr<WarmMapping> map) {
+    if (!map) return;
+    map->settle();
+    struct stat st;
+    if (!map->fully_populated() || ::fstat(fd, &st) != 0) return;
+    Fd file(::fcntl(fd, F_DUPFD_CLOEXEC, 0));
+    if (file.get() < 0) return;
+    std::vector<Entry> evicted;
+    {
+      std::lock_guard<std::mutex> lk(m_);
+      entries_.push_back({st.st_dev, st.st_ino, std::move(file), std::move(map)});
+      while (entries_.size() > kMaxEntries) {
+        evicted.push_back(std::move(entries_.front()));
+        entries_.pop_front();
+      }
+    }
+    drop_deleted();
+  }
+
+  // Unmaps the mappings of files that no longer exist, releasing their memory.
+  void drop_deleted() {
+    std::vector<Entry> dropped;
+    {
+      std::lock_guard<std::mutex> lk(m_);
+      dropped.swap(graveyard_);
+      for (auto it = entries_.begin(); it != entries_.end();) {
+        struct stat st;
+        if (::fstat(it->file.get(), &st) != 0 || st.st_nlink == 0) {
+          dropped.push_back(std::move(*it));
+          it = entries_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+  }  // munmap (in the entries' destructors) outside the lock
+
+  void clear() {
+    std::deque<Entry> all;
+    std::vector<Entry> graves;
+    std::lock_guard<std::mutex> lk(m_);
+    all.swap(entries_);
+    graves.swap(graveyard_);
+  }
+
+ private:
+  static constexpr size_t kMaxEntries = 8;  // two per steady stream of pushes: the newest replica and the one before
+  struct Entry {
+    dev_t dev;
+    ino_t ino;
+    Fd file;
+    std::unique_ptr<WarmMapping> map;
+  };
+  std::mutex m_;
+  std::deque<Entry> entries_;     // oldest first
+  std::vector<Entry> graveyard_;  // taken out under the lock, unmapped outside it
+};
+
+namespace {
+
+// --- spare files --------------------------------------------------------------------------
+//
+// A spare is a retired replica's file, parked in the spare directory so that the next
+// reception overwrites tmpfs pages that already exist instead of faulting in and zeroing
+// fresh ones (about twice as fast here). A reception takes a spare by renaming it into the
+// destination directory under its hidden temporary name: rename is atomic, so two receptions
+// can never take the same spare (the loser's rename fails with ENOENT and it tries the next).
+
+constexpr size_t kMaxSpareCandidates = 4096;  // bounds the work of one directory scan
+
+struct SpareCandidate {
+  std::string name;
+  uint64_t size;
+  bool mapped;  // this server still has a mapping of it: no page-table set-up needed
+};
+
+// Regular, singly linked, non-hidden files of the spare directory; anything else is ignored.
+std::vector<SpareCandidate> list_spares(int spare_fd, WarmMappingCache* cache) {
+  std::vector<SpareCandidate> out;
+  const int dup_fd = ::fcntl(spare_fd, F_DUPFD_CLOEXEC, 0);
+  if (dup_fd < 0) return out;
+  DIR* dir = ::fdopendir(dup_fd);
+  if (!dir) {
+    ::close(dup_fd);
+    return out;
+  }
+  while (out.size() < kMaxSpareCandidates) {
+    errno = 0;
+    const struct dirent* e = ::readdir(dir);
+    if (!e) break;
+    if (e->d_name[0] == '.') continue;
+    struct stat st;
+    if (::fstatat(spare_fd, e->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0) continue;
+    if (!S_ISREG(st.st_mode) || st.st_nlink != 1 || st.st_size <= 0) continue;
+    out.push_back({e->d_name, static_cast<uint64_t>(st.st_size), cache && cache->holds(st.st_dev, st.st_ino)});
+  }
+  ::closedir(dir);
+  return out;
+}
+
+// Preference order for an object of size bytes: the smallest spare that holds it (one still
+// mapped here first), then the other spares from the largest down (the more warm pages the better).
+void order_spares(std::vector<SpareCandidate>& spares, uint64_t size) {
+  std::sort(spares.begin(), spares.end(), [size](const SpareCandidate& a, const SpareCandidate& b) {
+    const bool a_fits = a.size >= size, b_fits = b.size >= size;
+    if (a_fits != b_fits) return a_fits;
+    if (a_fits && a.mapped != b.mapped) return a.mapped;
+    return a_fits ? a.size < b.size : a.size > b.size;
+  });
+}
+
+// A hidden temporary file in the destination directory; removed unless commit() ran. Its
+// pages come from a spare file when spare_fd names a spare directory that holds one.
 class TempObject {
  public:
-  TempObject(int base_fd, const std::string& path, uint64_t size) : path_(path) {
+  TempObject(int base_fd, const std::string& path, uint64_t size, int spare_fd = -1,
+             WarmMappingCache* cache = nullptr)
+      : path_(path), cache_(cache) {
     const auto comps = split_relative_path(path);
     final_name_ = comps.back();
     dir_ = open_parent_dir(base_fd, comps, path, true);
-    // Fail early and clearly when the file system cannot hold the object. (Space is not
-    // reserved with fallocate: that costs a full extra pass over the pages; the pages are
-    // allocated as the data lands, and ENOSPC then still ends the transfer cleanly.)
-    struct statvfs vfs;
-    if (::fstatvfs(dir_.get(), &vfs) == 0 && vfs.f_frsize > 0 &&
-        size / vfs.f_frsize > static_cast<uint64_t>(vfs.f_bavail))
-      throw OsError(ENOSPC,
-                    "cannot store " + std::to_string(size) + " bytes for " + quoted(path) + " (only " +
-                        std::to_string(uint64_t(vfs.f_bavail) * vfs.f_frsize) + " bytes free)",
-                    path);
     temp_name_ = ".xfer-" + random_hex(8) + ".tmp";
-    const int fd = ::openat(dir_.get(), temp_name_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
-    if (fd < 0) throw OsError(errno, "cannot create a temporary file for " + quoted(path), path);
-    file_ = Fd(fd);
-    created_ = true;
-    if (size > 0 && ::ftruncate(fd, static_cast<off_t>(size)) != 0) {
+    if (spare_fd >= 0 && size > 0) take_spare(spare_fd, size);
+    check_space(size > warm_bytes_ ? size - warm_bytes_ : 0);
+    if (file_.get() < 0) create_file();
+    if (::ftruncate(file_.get(), static_cast<off_t>(size)) != 0) {
       const int err = errno;
-      file_.reset();
-      ::unlinkat(dir_.get(), temp_name_.c_str(), 0);
+      discard();
       throw OsError(err, "cannot size the temporary file for " + quoted(path), path);
     }
   }
-  ~TempObject() {
-    file_.reset();
-    if (created_ && !committed_) ::unlinkat(dir_.get(), temp_name_.c_str(), 0);
-  }
+  ~TempObject() { discard(); }
   int fd() const { return file_.get(); }
+  // Bytes at the start of the file whose pages already exist (taken from a spare).
+  uint64_t warm_bytes() const { return warm_bytes_; }
+  bool from_spare() const { return from_spare_; }
+
+  // A mapping of the whole pages among the warm bytes (the cache's, else a new one), or nullptr
+  // (too few, or it failed). It lives as long as this object, so unmapping (or handing it to
+  // the cache) waits until the reply has been sent. Only its first mapped_bytes() are written.
+  WarmMapping* map_warm_pages() {
+    const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+    mapped_bytes_ = warm_bytes_ / page * page;
+    if (map_ || mapped_bytes_ < kMinMappedBytes) return map_.get();
+    if (cache_) map_ = cache_->take(spare_stat_, mapped_bytes_);
+    mapping_reused_ = map_ != nullptr;
+    if (!map_) map_ = WarmMapping::map(file_.get(), mapped_bytes_);
+    return map_.get();
+  }
+  uint64_t mapped_bytes() const { return mapped_bytes_; }
+  bool mapping_reused() const { return mapping_reused_; }
 
   void write_at(const void* data, size_t n, uint64_t offset) {
     const uint8_t* p = static_cast<const uint8_t*>(data);
@@ -550,26 +807,86 @@ class TempObject {
   }
 
  private:
+  // Fail early and clearly when the file system cannot hold the new pages. (Space is not
+  // reserved with fallocate: that costs a full extra pass over the pages; the pages are
+  // allocated as the data lands, and ENOSPC then still ends the transfer cleanly.)
+  void check_space(uint64_t new_bytes) {
+    struct statvfs vfs;
+    if (new_bytes > 0 && ::fstatvfs(dir_.get(), &vfs) == 0 && vfs.f_frsize > 0 &&
+        new_bytes / vfs.f_frsize > static_cast<uint64_t>(vfs.f_bavail)) {
+      const int err = ENOSPC;
+      discard();
+      throw OsError(err,
+                    "cannot store " + std::to_string(new_bytes) + " more bytes for " + quoted(path_) + " (only " +
+                        std::to_string(uint64_t(vfs.f_bavail) * vfs.f_frsize) + " bytes free)",
+                    path_);
+    }
+  }
+
+  void create_file() {
+    const int fd = ::openat(dir_.get(), temp_name_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+    if (fd < 0) throw OsError(errno, "cannot create a temporary file for " + quoted(path_), path_);
+    file_ = Fd(fd);
+    created_ = true;
+  }
+
+  // Moves the best spare here under temp_name_; on any doubt the spare is skipped.
+  void take_spare(int spare_fd, uint64_t size) {
+    auto spares = list_spares(spare_fd, cache_);
+    order_spares(spares, size);
+    for (const auto& spare : spares) {
+      if (::renameat(spare_fd, spare.name.c_str(), dir_.get(), temp_name_.c_str()) != 0) {
+        if (errno == ENOENT) continue;  // another reception took it first
+        return;                         // EXDEV (another file system) or worse: no spares here
+      }
+      created_ = true;  // from here on the destructor removes it unless it goes back
+      if (adopt_taken_spare(size)) return;
+      // Not a plain file any more (replaced between the scan and the rename): put it back.
+      created_ = false;
+      if (::renameat(dir_.get(), temp_name_.c_str(), spare_fd, spare.name.c_str()) != 0) {
+        if (::unlinkat(dir_.get(), temp_name_.c_str(), 0) != 0) temp_name_ = ".xfer-" + random_hex(8) + ".tmp";
+        return;  // something odd is going on in the spare directory: no more spares this time
+      }
+    }
+  }
+
+  // Opens the spare just renamed to temp_name_; true if it is a regular file linked only here.
+  bool adopt_taken_spare(uint64_t size) {
+    const int fd = ::openat(dir_.get(), temp_name_.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0) return false;
+    Fd file(fd);
+    struct stat st;
+    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_nlink != 1) return false;
+    ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+    // Only pages the spare really holds count as warm (a sparse spare has holes).
+    const uint64_t allocated = static_cast<uint64_t>(st.st_blocks) * 512;
+    const uint64_t length = static_cast<uint64_t>(st.st_size);
+    warm_bytes_ = allocated >= length ? std::min(length, size) : 0;
+    spare_stat_ = st;
+    file_ = std::move(file);
+    from_spare_ = true;
+    return true;
+  }
+
+  void discard() {
+    if (committed_ && cache_) cache_->keep(file_.get(), std::move(map_));
+    map_.reset();
+    file_.reset();
+    if (created_ && !committed_) ::unlinkat(dir_.get(), temp_name_.c_str(), 0);
+    created_ = false;
+  }
+
   std::string path_, final_name_, temp_name_;
   Fd dir_, file_;
-  bool created_ = false, committed_ = false;
+  WarmMappingCache* cache_;
+  std::unique_ptr<WarmMapping> map_;
+  struct stat spare_stat_ {};
+  uint64_t warm_bytes_ = 0, mapped_bytes_ = 0;
+  bool created_ = false, committed_ = false, from_spare_ = false, mapping_reused_ = false;
 };
 
-// Receives size bytes into the temp object, then the trailer; returns the CRC32C of the data.
-// Each chunk is received into buf (L2-sized, reused), CRC'd while hot and pwritten. (Receiving
-// straight into a shared mapping of the temp file saves the pwrite copy but costs page-table
-// set-up and teardown, and measured no faster here; pwrite also can never raise SIGBUS.)
-// Throws TransferChecksumError when the trailer's length or CRC disagrees.
-uint32_t receive_object(Channel& ch, TempObject& out, uint64_t size, std::vector<uint8_t>& buf) {
-  uint32_t crc = 0;
-  uint64_t done = 0;
-  while (done < size) {
-    const size_t want = static_cast<size_t>(std::min<uint64_t>(buf.size(), size - done));
-    const size_t got = ch.recv_some(buf.data(), want, "object data");
-    crc = crc32c(buf.data(), got, crc);
-    out.write_at(buf.data(), got, done);
-    done += got;
-  }
+// Checks the trailer that follows the data against the length and CRC32C received.
+void check_trailer(Channel& ch, uint64_t size, uint32_t crc) {
   uint8_t t[kTrailerBytes];
   ch.recv_exact(t, sizeof(t), "trailer");
   if (get_u32(t + 12) != kTrailerMagic) throw TransferError("malformed trailer (bad end magic)");
@@ -584,7 +901,64 @@ uint32_t receive_object(Channel& ch, TempObject& out, uint64_t size, std::vector
                   crc);
     throw TransferChecksumError(msg);
   }
+}
+
+// Receives [0, n) straight into the warm mapping, CRC'ing each piece while it is hot, never
+// past what the populating thread has made ready. Returns the bytes received there: n, or less
+// when populating stopped early (the caller then pwrites the rest).
+uint64_t receive_into_mapping(Channel& ch, WarmMapping& map, uint64_t n, size_t chunk, uint32_t* crc) {
+  uint64_t done = 0;
+  while (done < n) {
+    const uint64_t ready = map.wait_populated(std::min<uint64_t>(done + chunk, n));
+    if (ready <= done) break;
+    const size_t got = ch.recv_some(map.data() + done, static_cast<size_t>(ready - done), "object data");
+    *crc = crc32c(map.data() + done, got, *crc);
+    done += got;
+  }
+  return done;
+}
+
+// Receives [done, size) through buf: each chunk CRC'd while hot, then pwritten.
+uint32_t receive_by_pwrite(Channel& ch, TempObject& out, uint64_t done, uint64_t size, uint32_t crc,
+                           std::vector<uint8_t>& buf) {
+  while (done < size) {
+    const size_t want = static_cast<size_t>(std::min<uint64_t>(buf.size(), size - done));
+    const size_t got = ch.recv_some(buf.data(), want, "object data");
+    crc = crc32c(buf.data(), got, crc);
+    out.write_at(buf.data(), got, done);
+    done += got;
+  }
   return crc;
+}
+
+// Receives size bytes into the temp object, then the trailer; returns the CRC32C of the data.
+// The part that lands on a spare's existing pages is received straight into a mapping of them
+// (one copy: socket -> page); the rest, and everything when there is no spare, is received into
+// buf and pwritten (two copies, but pwrite allocates new pages safely: no SIGBUS on ENOSPC).
+// Throws TransferChecksumError when the trailer's length or CRC disagrees.
+uint32_t receive_object(Channel& ch, TempObject& out, uint64_t size, std::vector<uint8_t>& buf) {
+  uint32_t crc = 0;
+  uint64_t done = 0;
+  if (WarmMapping* map = out.map_warm_pages()) done = receive_into_mapping(ch, *map, out.mapped_bytes(), buf.size(), &crc);
+  crc = receive_by_pwrite(ch, out, done, size, crc, buf);
+  check_trailer(ch, size, crc);
+  return crc;
+}
+
+// Reads n bytes at offset; end is where the range being sent ends (for the message).
+void pread_exactly(int file_fd, uint8_t* dst, size_t n, uint64_t offset, uint64_t end) {
+  size_t got = 0;
+  while (got < n) {
+    const ssize_t r = ::pread(file_fd, dst + got, n - got, static_cast<off_t>(offset + got));
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      throw OsError(errno, "reading the object to send failed", "");
+    }
+    if (r == 0)
+      throw ShortReadError("source file ended at " + std::to_string(offset + got) + " bytes, before the " +
+                           std::to_string(end) + " being sent (was it truncated?)");
+    got += static_cast<size_t>(r);
+  }
 }
 
 // Sends [offset, offset+size) of file_fd: each chunk is pread into buf and CRC'd (page cache ->
@@ -596,24 +970,29 @@ uint32_t send_object(Channel& ch, int file_fd, uint64_t offset, uint64_t size, b
   bool use_sendfile = zero_copy;
   while (done < size) {
     const size_t n = static_cast<size_t>(std::min<uint64_t>(buf.size(), size - done));
-    size_t got = 0;
-    while (got < n) {
-      const ssize_t r = ::pread(file_fd, buf.data() + got, n - got, static_cast<off_t>(offset + done + got));
-      if (r < 0) {
-        if (errno == EINTR) continue;
-        throw OsError(errno, "reading the object to send failed", "");
-      }
-      if (r == 0)
-        throw ShortReadError("source file ended at " + std::to_string(offset + done + got) + " bytes, before the " +
-                             std::to_string(offset + size) + " being sent (was it truncated?)");
-      got += static_cast<size_t>(r);
-    }
+    pread_exactly(file_fd, buf.data(), n, offset + done, offset + size);
     crc = crc32c(buf.data(), n, crc);
     if (use_sendfile) use_sendfile = ch.sendfile_all(file_fd, offset + done, n);
     if (!use_sendfile) ch.send_all(buf.data(), n, "object data");
     done += n;
   }
   return crc;
+}
+
+// Sends [offset, offset+size) of file_fd whose CRC32C the caller already knows (from the
+// object's index), so the data is never read into user space: one sendfile() for the whole
+// range, or pread + send when the kernel cannot sendfile from this file (or zero_copy is off).
+// The receiver still checks the bytes against that CRC.
+void send_object_known_crc(Channel& ch, int file_fd, uint64_t offset, uint64_t size, bool zero_copy,
+                           std::vector<uint8_t>& buf) {
+  if (size == 0) return;
+  if (zero_copy && ch.sendfile_all(file_fd, offset, size)) return;
+  for (uint64_t done = 0; done < size;) {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(buf.size(), size - done));
+    pread_exactly(file_fd, buf.data(), n, offset + done, offset + size);
+    ch.send_all(buf.data(), n, "object data");
+    done += n;
+  }
 }
 
 // --- client plumbing ----------------------------------------------------------------------
@@ -762,7 +1141,12 @@ TransferResult push_attempt(const std::string& host, int port, const std::string
   if (ready.status != kOk) throw_for_status(ready, "push of " + quoted(remote_path));
   ch.clear_deadline();
   TransferResult r;
-  r.crc32c = send_object(ch, fd, offset, size, o.zero_copy, buf);
+  if (o.has_known_crc) {
+    send_object_known_crc(ch, fd, offset, size, o.zero_copy, buf);
+    r.crc32c = o.known_crc;
+  } else {
+    r.crc32c = send_object(ch, fd, offset, size, o.zero_copy, buf);
+  }
   send_trailer(ch, size, r.crc32c);
   Response done = recv_response(ch);
   if (done.status != kOk) throw_for_status(done, "push of " + quoted(remote_path));
@@ -841,6 +1225,7 @@ TransferResult transfer_fetch(const std::string& host, int port, const std::stri
   const std::string local_path = local_path_in.empty() ? remote_path : local_path_in;
   split_relative_path(remote_path);
   split_relative_path(local_path);
+  if (!o.spare_dir.empty()) split_relative_path(o.spare_dir);
   Fd base = open_base_dir(local_base_dir);
   std::vector<uint8_t> buf(kChunkBytes);
   const std::string what = "fetch of " + quoted(remote_path) + " from " + host + ":" + std::to_string(port);
@@ -863,7 +1248,8 @@ TransferResult transfer_fetch(const std::string& host, int port, const std::stri
       }
       throw TransferRefusedError("fetch of " + quoted(remote_path) + " refused: " + msg);
     }
-    TempObject tmp(base.get(), local_path, size);
+    Fd spares = open_spare_dir(base.get(), o.spare_dir);
+    TempObject tmp(base.get(), local_path, size, spares.get());
     TransferResult r;
     try {
       r.crc32c = receive_object(ch, tmp, size, buf);
@@ -958,8 +1344,10 @@ TransferServer::TransferServer(const TransferServerConfig& config) : config_(con
   if (!(config_.io_timeout_s > 0) || config_.io_timeout_s > 86400) throw std::invalid_argument("io_timeout_s must be in (0, 86400]");
   if (config_.port < 0 || config_.port > 65535) throw std::invalid_argument("port must be in 0..65535");
   if (config_.max_object_bytes == 0) throw std::invalid_argument("max_object_bytes must be > 0");
+  if (!config_.spare_dir.empty()) split_relative_path(config_.spare_dir);  // TransferPathError naming it
 
   Fd base = open_base_dir(config_.base_dir);
+  mappings_.reset(new WarmMappingCache());
   struct addrinfo hints;
   std::memset(&hints, 0, sizeof(hints));
   hints.ai_family = AF_UNSPEC;
@@ -1017,6 +1405,7 @@ void TransferServer::stop() {
   workers_.clear();
   for (auto& p : queue_) ::close(p.fd);
   queue_.clear();
+  mappings_->clear();
   ::close(listen_fd_);
   ::close(stop_fd_);
   ::close(base_fd_);
@@ -1043,7 +1432,9 @@ std::map<std::string, uint64_t> TransferServer::stats() const {
           {"fetches_ok", fetches_ok_.load()},
           {"transfer_failures", transfer_failures_.load()},
           {"bytes_received", bytes_received_.load()},
-          {"bytes_sent", bytes_sent_.load()}};
+          {"bytes_sent", bytes_sent_.load()},
+          {"spares_taken", spares_taken_.load()},
+          {"mappings_reused", mappings_reused_.load()}};
 }
 
 void TransferServer::record_error(const std::string& message) {
@@ -1058,12 +1449,14 @@ void TransferServer::record_error(const std::string& message) {
 void TransferServer::accept_loop() {
   for (;;) {
     struct pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {stop_fd_, POLLIN, 0}};
-    const int r = ::poll(fds, 2, -1);
+    const int r = ::poll(fds, 2, 1000);
     if (r < 0) {
       if (errno == EINTR) continue;
       record_error(std::string("accept loop: poll failed: ") + errno_text(errno));
       return;
     }
+    mappings_->drop_deleted();  // at least once a second: a kept mapping must not pin a deleted file
+    if (r == 0) continue;
     if (fds[1].revents & POLLIN) return;
     if (!(fds[0].revents & POLLIN)) continue;
     struct sockaddr_storage peer;
@@ -1239,7 +1632,9 @@ void TransferServer::handle(int fd, const std::string& peer) {
     }
     std::unique_ptr<TempObject> tmp;
     try {
-      tmp.reset(new TempObject(base_fd_, path, size));
+      Fd spares = open_spare_dir(base_fd_, config_.spare_dir);
+      tmp.reset(new TempObject(base_fd_, path, size, spares.get(), mappings_.get()));
+      if (tmp->from_spare()) spares_taken_.fetch_add(1);
     } catch (const std::exception& e) {
       const Refusal r = refusal_for(e);
       refuse(r.status == kNotFound ? kIoError : r.status, r.message);
@@ -1256,6 +1651,7 @@ void TransferServer::handle(int fd, const std::string& peer) {
         return;
       }
       bytes_received_.fetch_add(size);
+      if (tmp->mapping_reused()) mappings_reused_.fetch_add(1);
       try {
         tmp->commit();
       } catch (const std::exception& e) {
@@ -1263,9 +1659,13 @@ void TransferServer::handle(int fd, const std::string& peer) {
         refuse(kIoError, e.what());
         return;
       }
-      tmp.reset();
-      send_response(ch, kOk, size, "stored");
       pushes_ok_.fetch_add(1);
+      try {
+        send_response(ch, kOk, size, "stored");
+      } catch (const std::exception& e) {
+        record_error("peer " + peer + ": " + what + ": stored, but the acknowledgement was lost: " + e.what());
+      }
+      tmp.reset();  // unmapping the received pages waits until the sender has its answer
     } catch (const std::exception& e) {
       tmp.reset();
       transfer_failures_.fetch_add(1);

@@ -5,7 +5,8 @@
 // sides), then PUSH an object to the server or FETCH one from it. Objects are addressed by
 // their path relative to the base directory; both ends confine every path to their own base
 // directory (component-wise openat with O_NOFOLLOW). The receiver writes into a hidden
-// temporary file next to the destination, checks length and CRC32C, fsyncs and only then
+// temporary file next to the destination (a spare file renamed there when a spare directory
+// holds one, so its tmpfs pages are reused), checks length and CRC32C, fsyncs and only then
 // renames it into place. The wire format is described in transfer.cpp and docs of the
 // bindings; every length field is bounded and every wait has a timeout.
 #pragma once
@@ -15,6 +16,7 @@
 #include <cstdint>
 #include <deque>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -22,6 +24,8 @@
 #include <vector>
 
 namespace flashpoint {
+
+class WarmMappingCache;  // transfer.cpp: mappings of received files, reused by later receptions
 
 // --- errors (the bindings map each to a Python exception class of the same name) ----------
 
@@ -81,6 +85,11 @@ struct TransferOptions {
   double backoff_s = 0.2;           // sleep before retry i is backoff_s * 2**i
   bool zero_copy = true;            // sendfile() from the source file (else pread + send)
   uint64_t max_object_bytes = kTransferDefaultMaxObjectBytes;  // fetch refuses bigger objects
+  // Push: the CRC32C of the bytes being sent is known (from the object's index), so the sender
+  // only sendfile()s them and sends this CRC; the receiver still checks the bytes against it.
+  bool has_known_crc = false;
+  uint32_t known_crc = 0;
+  std::string spare_dir;  // fetch: spare files to receive into, relative to the local base dir
 };
 
 struct TransferResult {
@@ -118,6 +127,9 @@ struct TransferServerConfig {
   int max_pending = 0;           // queued connections beyond the workers (0: 4 * max_connections)
   double io_timeout_s = 30.0;
   uint64_t max_object_bytes = kTransferDefaultMaxObjectBytes;
+  // Directory (relative to base_dir) of spare files: retired replicas whose tmpfs pages a push
+  // overwrites instead of allocating fresh ones. Empty: none. Missing: none for now.
+  std::string spare_dir;
 };
 
 class TransferServer {
@@ -161,13 +173,15 @@ class TransferServer {
 
   std::thread accept_thread_;
   std::vector<std::thread> workers_;
+  std::unique_ptr<WarmMappingCache> mappings_;
 
   mutable std::mutex error_mutex_;
   std::deque<std::string> errors_;
   uint64_t errors_dropped_ = 0;
 
   std::atomic<uint64_t> accepted_{0}, rejected_busy_{0}, auth_failures_{0}, protocol_failures_{0},
-      pushes_ok_{0}, fetches_ok_{0}, transfer_failures_{0}, bytes_received_{0}, bytes_sent_{0};
+      pushes_ok_{0}, fetches_ok_{0}, transfer_failures_{0}, bytes_received_{0}, bytes_sent_{0}, spares_taken_{0},
+      mappings_reused_{0};
 };
 
 }  // namespace flashpoint

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -9,16 +10,20 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ml_flashpoint_nemo import _core
 from ml_flashpoint_nemo.core import (
     CheckpointSaver,
     committed_steps,
     delete_superseded,
     list_versions,
     load_version,
+    read_commit,
     verify_version,
 )
+from ml_flashpoint_nemo.core.format import HEADER_NBYTES, ObjectHeader, object_crc32c_from_index, whole_object_crc32c
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.values import QUANTIZED_DTYPES
+from ml_flashpoint_nemo.errors import CorruptCheckpointError
 from tests.support.states import assert_state_equal, make_state, raw_bytes
 
 REQUIRED_DTYPES = {
@@ -210,3 +215,79 @@ def test_cached_layout_is_revalidated_every_save(base_dir):
         for step, state in enumerate(states):
             saver.save(step, state)
             assert_state_equal(state, load_version(base_dir, step))
+
+
+# --- whole-object CRC32C from the index (replication sends it instead of reading the data) --------
+
+
+def whole_file_crc(path: os.PathLike[str], nbytes: int) -> int:
+    with open(path, "rb") as handle:
+        return _core.crc32c(handle.read(nbytes))
+
+
+def derived_crc(base_dir: os.PathLike[str], step: int) -> tuple[int | None, int]:
+    """(CRC derived from header and index, CRC of the object's bytes) of the single object of step."""
+    record = read_commit(CheckpointLayout(base_dir), step).objects[0]
+    path = CheckpointLayout(base_dir).object_path(step, record.name)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return whole_object_crc32c(fd, str(path), record), whole_file_crc(path, record.nbytes)
+    finally:
+        os.close(fd)
+
+
+def test_whole_object_crc_from_the_index_equals_the_crc_of_the_bytes(base_dir):
+    """Every dtype, empty tensors, odd sizes, small and page-aligned large records, bytes records."""
+    states = [
+        {str(d): random_tensor_of(d, (3, 5), seed=i) for i, d in enumerate(storable_dtypes())},
+        {"empty": torch.empty(0, 4), "odd": random_tensor_of(torch.uint8, (1001,)), "empty_bytes": b"",
+         "big": random_tensor_of(torch.bfloat16, (3, 333_333)), "after_big": torch.empty(2, 0, 3),
+         "scalar": torch.tensor(7, dtype=torch.int16), "bytes": b"\x00\x01binary\xff"},
+        {"only_empty": torch.empty(0)},
+        {f"t{i}": random_tensor_of(torch.float32, (i % 5 + 1, 3), seed=i) for i in range(300)},
+    ]
+    with CheckpointSaver(base_dir) as saver:
+        for step, state in enumerate(states, start=1):
+            saver.save(step, state)
+            derived, actual = derived_crc(base_dir, step)
+            assert derived == actual, f"step {step}"
+
+
+def test_whole_object_crc_holds_in_reused_buffers_whose_layout_changed(base_dir):
+    """A reused pool buffer holds earlier saves' bytes where the new layout has padding: it is zeroed."""
+    layouts = [{"a": torch.randn(1 << 18), "b": torch.randn(999)},
+               {"b": torch.randn(13), "a": torch.randn(1 << 18)},
+               {"c": torch.randn(7), "d": torch.randn(5), "a": torch.randn((1 << 18) + 1)}]
+    with CheckpointSaver(base_dir, max_free_buffers=1) as saver:
+        for step, state in enumerate(layouts * 2, start=1):
+            saver.save(step, state)
+            derived, actual = derived_crc(base_dir, step)
+            assert derived == actual, f"step {step}"
+
+
+def test_whole_object_crc_is_none_without_checksums(base_dir):
+    with CheckpointSaver(base_dir, checksum=False) as saver:
+        saver.save(1, make_state(1, small_tensors=3))
+    assert derived_crc(base_dir, 1)[0] is None
+
+
+def test_whole_object_crc_is_none_for_objects_without_zeroed_padding_and_checks_the_record(base_dir):
+    with CheckpointSaver(base_dir) as saver:
+        saver.save(1, {"x": torch.randn(100)})
+    layout = CheckpointLayout(base_dir)
+    record = read_commit(layout, 1).objects[0]
+    path = layout.object_path(1, record.name)
+    with open(path, "rb") as handle:
+        header_raw = handle.read(HEADER_NBYTES)
+        header = ObjectHeader.decode(header_raw, str(path))
+        handle.seek(header.index_offset)
+        index_raw = handle.read(header.index_nbytes)
+    unflagged = ObjectHeader(header.object_nbytes, header.index_offset, header.index_nbytes, header.index_crc32c,
+                             header.record_count, header.writer_rank, flags=0).encode()
+    assert object_crc32c_from_index(unflagged, index_raw, str(path)) is None  # an older writer's object
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(CorruptCheckpointError, match="commit record"):
+            whole_object_crc32c(fd, str(path), dataclasses.replace(record, crc32c=record.crc32c ^ 1))
+    finally:
+        os.close(fd)

@@ -508,3 +508,255 @@ def test_retry_succeeds_once_the_server_is_up(dirs):
         timer.join()
         for s in holder:
             s.stop()
+
+
+# --- known CRC on the sender, spare files on the receiver ----------------------------------------
+
+SPARES = "pool/replica-spares"
+
+
+@pytest.fixture
+def spare_server(dirs):
+    """A server whose receptions take their files from base/pool/replica-spares."""
+    base, _, _ = dirs
+    (base / SPARES).mkdir(parents=True)
+    with _core.TransferServer(base, SECRET, io_timeout_s=IO_TIMEOUT, max_connections=4,
+                              max_object_bytes=256 * MiB, spare_dir=SPARES) as srv:
+        yield srv
+
+
+def add_spare(base: Path, name: str, nbytes: int) -> Path:
+    p = base / SPARES / name
+    p.write_bytes(os.urandom(nbytes))
+    return p
+
+
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["sendfile", "send"])
+def test_push_with_the_known_crc_sends_and_stores_it(dirs, server, zero_copy):
+    base, client, _ = dirs
+    data = os.urandom(3 * MiB + 11)
+    p = write_object(client, "step-1/o.fpo", data)
+    crc = _core.crc32c(data)
+    r = _core.transfer_push(HOST, server.port, SECRET, client, "step-1/o.fpo", crc32c=crc, zero_copy=zero_copy)
+    assert r["crc32c"] == crc and (base / "step-1" / "o.fpo").read_bytes() == data
+    with open(p, "rb") as f:  # a range of a file, with the CRC of exactly that range
+        part = data[5:5 + MiB]
+        r = _core.transfer_push_fd(HOST, server.port, SECRET, f.fileno(), "part.fpo", offset=5, length=MiB,
+                                   crc32c=_core.crc32c(part), zero_copy=zero_copy)
+    assert r["nbytes"] == MiB and (base / "part.fpo").read_bytes() == part
+    assert hidden_files(base) == []
+
+
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["sendfile", "send"])
+def test_source_changed_after_its_crc_was_taken_is_refused(hostile, zero_copy):
+    """The sender does not read the data; the receiver's own CRC of what arrived catches the flipped byte."""
+    srv, base, client, _ = hostile
+    data = bytearray(os.urandom(2 * MiB + 3))
+    crc_of_original = _core.crc32c(bytes(data))
+    data[MiB + 17] ^= 0x40  # the RAM copy changed after the save
+    write_object(client, "step-4/rank-00001-0.fpo", bytes(data))
+    with pytest.raises(_core.TransferChecksumError, match="CRC32C mismatch") as info:
+        _core.transfer_push(HOST, srv.port, SECRET, client, "step-4/rank-00001-0.fpo", crc32c=crc_of_original,
+                            zero_copy=zero_copy, retries=0)
+    assert "discarded" in str(info.value)
+    assert not (base / "step-4" / "rank-00001-0.fpo").exists()
+    wait_for_error(srv, "CRC32C mismatch")
+
+
+def test_known_crc_must_be_a_crc(dirs, server):
+    _, client, _ = dirs
+    write_object(client, "o.fpo", b"x")
+    for bad in (-1, 1 << 32):
+        with pytest.raises(ValueError, match="crc32c"):
+            _core.transfer_push(HOST, server.port, SECRET, client, "o.fpo", crc32c=bad)
+
+
+def test_push_takes_the_smallest_spare_that_holds_the_object(dirs, spare_server):
+    base, client, _ = dirs
+    small, fitting, large = (add_spare(base, n, s) for n, s in (("small", MiB), ("fitting", 3 * MiB),
+                                                                  ("large", 9 * MiB)))
+    fitting_inode = fitting.stat().st_ino
+    data = os.urandom(2 * MiB + 1)
+    write_object(client, "o.fpo", data)
+    _core.transfer_push(HOST, spare_server.port, SECRET, client, "o.fpo", "step-2/rank-00000-0.fpo",
+                        crc32c=_core.crc32c(data))
+    stored = base / "step-2" / "rank-00000-0.fpo"
+    assert stored.read_bytes() == data and stored.stat().st_size == len(data)  # resized to the object
+    assert stored.stat().st_ino == fitting_inode  # the spare's pages, overwritten
+    assert sorted(os.listdir(base / SPARES)) == ["large", "small"] and small.exists() and large.exists()
+    assert spare_server.stats()["spares_taken"] == 1 and hidden_files(base) == []
+
+
+def test_push_grows_the_largest_spare_when_none_holds_the_object(dirs, spare_server):
+    base, client, _ = dirs
+    add_spare(base, "a", MiB)
+    b = add_spare(base, "b", 2 * MiB)
+    b_inode = b.stat().st_ino
+    data = os.urandom(5 * MiB + 3)
+    write_object(client, "o.fpo", data)
+    _core.transfer_push(HOST, spare_server.port, SECRET, client, "o.fpo", "big.fpo")
+    assert (base / "big.fpo").read_bytes() == data and (base / "big.fpo").stat().st_ino == b_inode
+    assert os.listdir(base / SPARES) == ["a"]
+
+
+def test_spares_that_are_not_plain_files_are_left_alone(dirs):
+    """Symlinks (even to a file outside the base), directories, FIFOs, hard-linked and hidden files."""
+    base, client, sentinel = dirs
+    outside = snapshot(sentinel)
+    (base / SPARES).mkdir(parents=True)
+    spares = base / SPARES
+    os.symlink(sentinel / "secret.txt", spares / "link")
+    (spares / "dir").mkdir()
+    os.mkfifo(spares / "fifo")
+    (spares / "linked").write_bytes(os.urandom(MiB))
+    os.link(spares / "linked", base / "elsewhere")  # a spare that is also another file
+    (spares / ".hidden").write_bytes(os.urandom(MiB))
+    before = snapshot(base)
+    with _core.TransferServer(base, SECRET, io_timeout_s=IO_TIMEOUT, spare_dir=SPARES) as srv:
+        data = os.urandom(MiB // 2)
+        write_object(client, "o.fpo", data)
+        _core.transfer_push(HOST, srv.port, SECRET, client, "o.fpo", "new/o.fpo")
+        assert srv.stats()["spares_taken"] == 0
+    assert (base / "new" / "o.fpo").read_bytes() == data
+    after = snapshot(base)
+    del after["new"], after["new/o.fpo"]
+    assert after == before and snapshot(sentinel) == outside
+
+
+def test_a_failed_reception_into_a_spare_leaves_nothing(dirs, spare_server):
+    base, _, _ = dirs
+    add_spare(base, "s1", 4 * MiB)
+    add_spare(base, "s2", 4 * MiB)
+    data = os.urandom(3 * MiB)
+    status, _, msg = peer.push(HOST, spare_server.port, SECRET, "step-1/obj.fpo", data, corrupt_at=MiB)
+    assert status == peer.CHECKSUM and "CRC32C mismatch" in msg
+    assert not (base / "step-1" / "obj.fpo").exists() and hidden_files(base) == []
+    with auth_sock(spare_server) as s:  # a peer that goes away half-way
+        s.sendall(peer.request(peer.OP_PUSH, b"step-1/obj.fpo", len(data)))
+        assert peer.recv_response(s)[0] == peer.OK
+        s.sendall(data[: MiB])
+    wait_for_error(spare_server, "closed by the peer")
+    assert not (base / "step-1" / "obj.fpo").exists() and hidden_files(base) == []
+    assert spare_server.stats()["spares_taken"] == 2 and os.listdir(base / SPARES) == []
+
+
+def test_concurrent_receptions_never_share_a_spare(dirs, spare_server):
+    base, client, _ = dirs
+    for i in range(3):
+        add_spare(base, f"s{i}", 2 * MiB)
+    payloads = {f"step-9/rank-{i:05d}-0.fpo": os.urandom(MiB + i) for i in range(8)}
+    for i, (name, data) in enumerate(payloads.items()):
+        write_object(client, f"src{i}.fpo", data)
+    errors: list[BaseException] = []
+
+    def push(i: int, name: str) -> None:
+        try:
+            _core.transfer_push(HOST, spare_server.port, SECRET, client, f"src{i}.fpo", name, retries=2)
+        except BaseException as exc:  # noqa: BLE001 - collected for the assertion
+            errors.append(exc)
+
+    threads = [threading.Thread(target=push, args=(i, name)) for i, name in enumerate(payloads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert errors == []
+    inodes = set()
+    for name, data in payloads.items():
+        assert (base / name).read_bytes() == data
+        inodes.add((base / name).stat().st_ino)
+    assert len(inodes) == len(payloads)  # no two objects share a file
+    taken = spare_server.stats()["spares_taken"]
+    assert 1 <= taken <= 3 and len(os.listdir(base / SPARES)) == 3 - taken
+
+
+def test_fetch_receives_into_a_spare(dirs, server):
+    base, client, _ = dirs
+    data = os.urandom(2 * MiB + 9)
+    write_object(base, "step-5/rank-00002-0.fpo", data)
+    (client / SPARES).mkdir(parents=True)
+    spare = add_spare(client, "s", 4 * MiB)
+    inode = spare.stat().st_ino
+    _core.transfer_fetch(HOST, server.port, SECRET, "step-5/rank-00002-0.fpo", client, spare_dir=SPARES)
+    fetched = client / "step-5" / "rank-00002-0.fpo"
+    assert fetched.read_bytes() == data and fetched.stat().st_ino == inode
+    assert os.listdir(client / SPARES) == []
+    _core.transfer_fetch(HOST, server.port, SECRET, "step-5/rank-00002-0.fpo", client, "again.fpo",
+                         spare_dir=SPARES)  # no spare left: a new file
+    assert (client / "again.fpo").read_bytes() == data
+
+
+def test_spare_dir_is_confined_and_may_be_missing(dirs):
+    base, client, sentinel = dirs
+    for bad in ("../sentinel", "/tmp", "a//b", ""):
+        with pytest.raises(_core.TransferPathError):
+            _core.TransferServer(base, SECRET, spare_dir=bad)
+        with pytest.raises(ValueError):
+            _core.transfer_fetch(HOST, 1234, SECRET, "x", client, spare_dir=bad)
+    os.symlink(sentinel, base / "spares-link")
+    (sentinel / "bait").write_bytes(os.urandom(MiB))
+    for spare_dir in ("missing/spares", "spares-link"):  # absent, or reached through a symlink: no spares
+        with _core.TransferServer(base, SECRET, io_timeout_s=IO_TIMEOUT, spare_dir=spare_dir) as srv:
+            write_object(client, "o.fpo", b"payload")
+            _core.transfer_push(HOST, srv.port, SECRET, client, "o.fpo")
+            assert (base / "o.fpo").read_bytes() == b"payload" and srv.stats()["spares_taken"] == 0
+    assert (sentinel / "bait").stat().st_size == MiB
+
+
+def test_repeated_pushes_into_retired_replicas_stay_bit_exact(dirs, spare_server):
+    """The steady state: each received replica is retired into the spares and the next push lands on its pages
+    (several populate windows, a tail past the spare's pages, a shrinking object), plus a sparse spare."""
+    base, client, _ = dirs
+    stored = base / "step-1" / "rank-00000-0.fpo"
+    for i, nbytes in enumerate([21 * MiB + 5, 21 * MiB + 5, 23 * MiB + 4097, 9 * MiB + 1]):
+        data = os.urandom(nbytes)
+        write_object(client, "o.fpo", data)
+        _core.transfer_push(HOST, spare_server.port, SECRET, client, "o.fpo", "step-1/rank-00000-0.fpo",
+                            crc32c=_core.crc32c(data))
+        assert stored.read_bytes() == data, f"push {i}"
+        os.rename(stored, base / SPARES / f"retired-{i}")
+    assert spare_server.stats()["spares_taken"] == 3
+    for name in os.listdir(base / SPARES):
+        os.unlink(base / SPARES / name)
+    sparse = base / SPARES / "sparse"
+    with open(sparse, "wb") as f:
+        f.truncate(8 * MiB)  # no pages at all: taken, but nothing of it is warm
+    data = os.urandom(5 * MiB)
+    write_object(client, "o.fpo", data)
+    _core.transfer_push(HOST, spare_server.port, SECRET, client, "o.fpo", "step-1/rank-00000-0.fpo")
+    assert stored.read_bytes() == data and not sparse.exists() and hidden_files(base) == []
+
+
+def mappings_under(root: Path) -> list[str]:
+    """This process's file mappings of files under root (a deleted file shows as '<path> (deleted)')."""
+    with open("/proc/self/maps") as f:
+        return sorted({line.split(None, 5)[5].strip() for line in f
+                       if len(line.split(None, 5)) == 6 and line.split(None, 5)[5].startswith(str(root))})
+
+
+def test_kept_mappings_are_reused_and_never_pin_a_deleted_file(dirs, spare_server):
+    """A reception through a spare keeps its mapping for the next reception into the same file; once the
+    file is deleted the mapping goes within about a second, so its memory is freed."""
+    base, client, _ = dirs
+    add_spare(base, "s", 8 * MiB)
+    stored = base / "step-1" / "rank-00000-0.fpo"
+    for i in range(3):
+        data = os.urandom(6 * MiB + i)
+        write_object(client, "o.fpo", data)
+        _core.transfer_push(HOST, spare_server.port, SECRET, client, "o.fpo", "step-1/rank-00000-0.fpo")
+        assert stored.read_bytes() == data
+        if i < 2:
+            os.rename(stored, base / SPARES / f"retired-{i}")
+    stats = spare_server.stats()
+    assert stats["spares_taken"] == 3 and stats["mappings_reused"] == 2
+    assert mappings_under(base) == [str(stored)]  # kept while the file lives
+    stored.unlink()
+    deadline = time.monotonic() + 5
+    while mappings_under(base) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert mappings_under(base) == []
+    add_spare(base, "t", 8 * MiB)
+    _core.transfer_push(HOST, spare_server.port, SECRET, client, "o.fpo", "again.fpo")
+    assert mappings_under(base) == [str(base / "again.fpo")]
+    spare_server.stop()  # and the server lets go of every mapping when it stops
+    assert mappings_under(base) == []

@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="List every version under BASE: step, state (committed / unreadable commit record / "
                     "uncommitted), kind (dcp or core), world size, ranks, objects, bytes, creation time, "
                     "replication state (unknown until versions record it); then each rank's pool of free "
-                    "buffers and whether a live process holds it.",
+                    "buffers and whether a live process holds it, and the replica spares (files of retired "
+                    "replicas whose memory the next received replica reuses; never checkpoint data).",
         epilog=EXIT_CODES_HELP)
     ls.add_argument("base", metavar="BASE", help="the job's base directory (e.g. /dev/shm/<job>)")
     ls.add_argument("--json", action="store_true", help="print one JSON document")
@@ -72,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "uncommitted versions newer than it are never touched. Refuses (exit 3) while a live "
                     "process holds a rank's pool lock, unless --force. While it runs, clean holds every rank's "
                     "pool lock itself, so a job starting on BASE meanwhile is refused (PoolBusyError) instead of "
-                    "racing the removal.",
+                    "racing the removal. Like free pool buffers, replica spares (pool/replica-spares) are kept "
+                    "for the job's next run; remove BASE to free all of its memory.",
         epilog=EXIT_CODES_HELP)
     clean.add_argument("base", metavar="BASE")
     clean.add_argument("--keep", type=int, default=1, metavar="K", help="committed versions to keep (default 1)")

@@ -139,6 +139,36 @@ def scan_pool(layout: CheckpointLayout) -> list[PoolRank]:
     return ranks
 
 
+@dataclass
+class ReplicaSpares:
+    """Files of retired replicas kept so received replicas reuse their pages (never checkpoint objects)."""
+
+    directory: Path
+    files: int
+    nbytes: int  # allocated in the filesystem
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": str(self.directory), "files": self.files, "nbytes": self.nbytes}
+
+
+def scan_replica_spares(layout: CheckpointLayout) -> ReplicaSpares:
+    """The replica spare directory's plain files and the memory they hold (zero when it does not exist)."""
+    directory = layout.replica_spares_dir
+    files = nbytes = 0
+    try:
+        entries = list(os.scandir(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        entries = []
+    for entry in entries:
+        try:
+            if entry.is_file(follow_symlinks=False):
+                nbytes += entry.stat(follow_symlinks=False).st_blocks * 512
+                files += 1
+        except FileNotFoundError:
+            continue  # taken by a transfer meanwhile
+    return ReplicaSpares(directory, files, nbytes)
+
+
 def _proc_flocks() -> dict[tuple[int, int, int], int] | None:
     """{(major, minor, inode): pid} of every granted flock, from /proc/locks; None if unreadable.
 

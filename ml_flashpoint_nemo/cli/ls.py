@@ -1,4 +1,4 @@
-"""`flashpoint ls BASE`: every version (committed or not) and every rank's buffer pool."""
+"""`flashpoint ls BASE`: every version (committed or not), every rank's buffer pool and the replica spares."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from ml_flashpoint_nemo.cli.common import (
     print_json,
     print_table,
     scan_pool,
+    scan_replica_spares,
 )
 
 UNKNOWN = "unknown"
@@ -173,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
     layout = open_base(args.base)
     versions = scan_versions(layout)
     pool = scan_pool(layout)
+    spares = scan_replica_spares(layout)
     if args.json:
         print_json({
             "base": str(layout.base_dir),
@@ -180,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
             "versions": [v.to_json(layout) for v in versions],
             "newest_committed": max((v.step for v in versions if v.state == "committed"), default=None),
             "pool": [p.to_json() for p in pool],
+            "replica_spares": spares.to_json(),
         })
         return EXIT_OK
     print(f"base {layout.base_dir} ({filesystem_type(layout.base_dir) or 'unknown filesystem'})")
@@ -219,6 +222,9 @@ def run(args: argparse.Namespace) -> int:
         print_table(rows)
     else:
         print("pool: none")
+    if spares.files:
+        print(f"replica spares: {spares.files} file(s), {human_bytes(spares.nbytes)} (pages reused by received "
+              f"replicas; not checkpoints) in {spares.directory}")
     return EXIT_OK
 
 

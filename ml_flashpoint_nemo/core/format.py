@@ -8,6 +8,7 @@ records are UTF-8 JSON protected by CRC32C.
 from __future__ import annotations
 
 import json
+import os
 import struct
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal, Sequence
@@ -23,6 +24,7 @@ RECORD_ALIGNMENT = 64
 LARGE_RECORD_ALIGNMENT = 4096  # records of at least LARGE_RECORD_BYTES start on a page
 LARGE_RECORD_BYTES = 1 << 20
 FLAG_NO_DATA_CRC = 1  # written with checksums off: record CRC32C fields are 0 and not checked
+FLAG_ZERO_PADDING = 2  # every byte outside the header, the records and the index is zero
 
 # magic, format_version, header_nbytes, object_nbytes, index_offset, index_nbytes,
 # index_crc32c, record_count, writer_rank, flags, reserved; header_crc32c follows.
@@ -143,6 +145,10 @@ class ObjectHeader:
     @property
     def has_data_crc(self) -> bool:
         return not self.flags & FLAG_NO_DATA_CRC
+
+    @property
+    def has_zero_padding(self) -> bool:
+        return bool(self.flags & FLAG_ZERO_PADDING)
 
     def encode(self) -> bytes:
         body = _HEADER.pack(
@@ -271,6 +277,93 @@ class ObjectPlan:
     @property
     def object_nbytes(self) -> int:
         return self.index_offset + len(self.index)
+
+    def padding_ranges(self) -> list[tuple[int, int]]:
+        """(offset, nbytes) of every gap between header, records and index (each under 4 KiB)."""
+        return padding_ranges(self.entries, self.index_offset)
+
+
+def padding_ranges(entries: Sequence[IndexEntry], index_offset: int) -> list[tuple[int, int]]:
+    """The gaps of an object's layout, in file order; ValueError if records overlap or are out of order."""
+    gaps = []
+    position = HEADER_NBYTES
+    for entry in sorted(entries, key=lambda e: (e.offset, e.nbytes)):
+        if entry.offset < position:
+            raise ValueError(f"record {entry.key!r} at offset {entry.offset} overlaps the bytes before it")
+        if entry.offset > position:
+            gaps.append((position, entry.offset - position))
+        position = entry.offset + entry.nbytes
+    if index_offset < position:
+        raise ValueError(f"the index at offset {index_offset} overlaps the last record")
+    if index_offset > position:
+        gaps.append((position, index_offset - position))
+    return gaps
+
+
+_ZERO_CRCS: dict[int, int] = {}
+
+
+def _crc32c_of_zeros(nbytes: int) -> int:
+    """CRC32C of nbytes zero bytes (gaps are small and few distinct lengths recur)."""
+    crc = _ZERO_CRCS.get(nbytes)
+    if crc is None:
+        crc = _ZERO_CRCS[nbytes] = _core.crc32c(bytes(nbytes))
+    return crc
+
+
+def object_crc32c_from_index(header_raw: bytes, index_raw: bytes, path: str) -> int | None:
+    """CRC32C of the object's bytes [0, object_nbytes), from its header and index alone.
+
+    The data bytes are never read: each record's CRC32C comes from the index and the gaps
+    are known to be zero. None when the object cannot vouch for that (saved with checksums
+    off, or by a writer that did not zero the padding). Raises CorruptCheckpointError when
+    the header or index is damaged or describes an impossible layout.
+    """
+    header = ObjectHeader.decode(header_raw, path)
+    if not header.has_data_crc or not header.has_zero_padding:
+        return None
+    if len(index_raw) != header.index_nbytes or _core.crc32c(index_raw) != header.index_crc32c:
+        raise CorruptCheckpointError(f"index of {path} fails its checksum; the object is corrupt")
+    entries = decode_index(index_raw, path)
+    try:
+        gaps = dict(padding_ranges(entries, header.index_offset))
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"{path} has an impossible layout: {exc}") from None
+    crc = _core.crc32c(header_raw[:HEADER_NBYTES])
+    position = HEADER_NBYTES
+    for entry in sorted(entries, key=lambda e: (e.offset, e.nbytes)):
+        crc, position = _extend_with_zeros(crc, position, gaps)
+        crc = _core.crc32c_combine(crc, entry.crc32c, entry.nbytes)
+        position += entry.nbytes
+    crc, position = _extend_with_zeros(crc, position, gaps)
+    return _core.crc32c_combine(crc, header.index_crc32c, header.index_nbytes)
+
+
+def whole_object_crc32c(fd: int, path: str, record: ObjectRecord | None = None) -> int | None:
+    """CRC32C of an object file's bytes [0, object_nbytes), reading only its header and index.
+
+    With a commit record, the header and index must match it (size and checksum), so the CRC
+    vouches for exactly the bytes the version names. None when the object does not allow it
+    (see object_crc32c_from_index). Raises CorruptCheckpointError for a damaged object.
+    """
+    header_raw = os.pread(fd, HEADER_NBYTES, 0)
+    header = ObjectHeader.decode(header_raw, path)
+    if record is not None and header.object_nbytes != record.nbytes:
+        raise CorruptCheckpointError(
+            f"object {path} says it has {header.object_nbytes} bytes, the commit record {record.nbytes}"
+        )
+    index_raw = os.pread(fd, header.index_nbytes, header.index_offset)
+    if record is not None and _core.crc32c(index_raw, _core.crc32c(header_raw)) != record.crc32c:
+        raise CorruptCheckpointError(f"object {path} does not match the checksum in its commit record")
+    return object_crc32c_from_index(header_raw, index_raw, path)
+
+
+def _extend_with_zeros(crc: int, position: int, gaps: dict[int, int]) -> tuple[int, int]:
+    """The CRC continued over the gap starting at position, if there is one, and the position after it."""
+    nbytes = gaps.get(position, 0)
+    if nbytes:
+        crc = _core.crc32c_combine(crc, _crc32c_of_zeros(nbytes), nbytes)
+    return crc, position + nbytes
 
 
 def plan_object(values: Iterable[tuple[str, RecordKind, str, tuple[int, ...], int]]) -> ObjectPlan:

@@ -1,6 +1,7 @@
 """Where things live under a base directory (format v1 layout).
 
     <base>/pool/rank-<R>/buf-<id>        free buffers of rank R, reused across saves
+    <base>/pool/replica-spares/<name>    files of retired replicas, overwritten by the next received one
     <base>/step-<N>/rank-<R>-<i>.fpo      objects written by rank R for version N
     <base>/step-<N>/COMMIT               commit record; without it version N does not exist
 """
@@ -18,6 +19,8 @@ from ml_flashpoint_nemo.errors import BaseDirError
 logger = logging.getLogger(__name__)
 
 COMMIT_NAME = "COMMIT"
+POOL_DIR = "pool"
+REPLICA_SPARES = f"{POOL_DIR}/replica-spares"  # relative to the base directory (the transfer server's form)
 OBJECT_SUFFIX = ".fpo"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _OBJECT_NAME = re.compile(r"^rank-(\d+)-(\d+)\.fpo$")
@@ -43,7 +46,12 @@ class CheckpointLayout:
         object.__setattr__(self, "base_dir", Path(base_dir).absolute())
 
     def pool_dir(self, rank: int) -> Path:
-        return self.base_dir / "pool" / f"rank-{rank:05d}"
+        return self.base_dir / POOL_DIR / f"rank-{rank:05d}"
+
+    @property
+    def replica_spares_dir(self) -> Path:
+        """Spare files for received replicas: never checkpoint objects, only warm tmpfs pages to reuse."""
+        return self.base_dir / REPLICA_SPARES
 
     def version_dir(self, step: int) -> Path:
         if step < 0:

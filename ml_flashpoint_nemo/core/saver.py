@@ -15,7 +15,9 @@ import torch
 from ml_flashpoint_nemo import _core
 from ml_flashpoint_nemo.core.format import (
     FLAG_NO_DATA_CRC,
+    FLAG_ZERO_PADDING,
     HEADER_NBYTES,
+    LARGE_RECORD_ALIGNMENT,
     CommitRecord,
     IndexEntry,
     ObjectHeader,
@@ -31,6 +33,23 @@ from ml_flashpoint_nemo.core.versions import delete_superseded, retire_version, 
 from ml_flashpoint_nemo.errors import CorruptCheckpointError, VersionExistsError
 
 logger = logging.getLogger(__name__)
+
+# Source of the zeros written into an object's padding (every gap is shorter than this).
+_ZEROS = torch.zeros(LARGE_RECORD_ALIGNMENT, dtype=torch.uint8)
+
+
+def padding_copy_ops(plan: ObjectPlan) -> array.array:
+    """(src, dst_offset, nbytes) copy ops that zero every gap of the plan's layout.
+
+    A reused buffer holds the bytes of earlier saves in its gaps; zeroing them lets the
+    whole object's CRC32C be derived from its index (format flag FLAG_ZERO_PADDING).
+    """
+    ops = array.array("Q")
+    for offset, nbytes in plan.padding_ranges():
+        if nbytes > _ZEROS.numel():
+            raise ValueError(f"a {nbytes}-byte gap at offset {offset} is longer than any record alignment")
+        ops.extend((_ZEROS.data_ptr(), offset, nbytes))
+    return ops
 
 
 @dataclass(frozen=True)
@@ -79,6 +98,7 @@ class CheckpointSaver:
         self.pool = pool or BufferPool(self.layout, rank, max_free=max_free_buffers)
         self._plan: ObjectPlan | None = None
         self._plan_signature: list[tuple] | None = None
+        self._padding_ops = array.array("Q")
 
     def warm_up(self, nbytes: int, count: int = 2) -> "Future[None]":
         """Pre-create and pre-fault `count` buffers for saves of about nbytes, in the background.
@@ -119,7 +139,8 @@ class CheckpointSaver:
         try:
             with memoryview(buffer) as view:
                 view[:HEADER_NBYTES] = bytes(HEADER_NBYTES)  # no valid header until sealed
-            crcs = self._copy_values(buffer, values, plan.entries, self.checksum and not defer_checksums)
+            crcs = self._copy_values(buffer, values, plan.entries, self.checksum and not defer_checksums,
+                                     self._padding_ops)
         except BaseException as exc:
             self.pool.release(buffer)
             if isinstance(exc, OSError):
@@ -131,6 +152,7 @@ class CheckpointSaver:
             plan=plan,
             crcs=None if (self.checksum and defer_checksums) else crcs,
             checksum=self.checksum,
+            padding_zeroed=True,
         )
         return StagedObject(step, buffer, job, sum(v.nbytes for v in values))
 
@@ -159,12 +181,18 @@ class CheckpointSaver:
         signature = [(v.key, v.kind, v.dtype, v.shape, v.nbytes) for v in values]
         if self._plan is None or self._plan_signature != signature:
             self._plan, self._plan_signature = plan_object(signature), signature
+            self._padding_ops = padding_copy_ops(self._plan)
         return self._plan
 
     def _copy_values(
-        self, buffer: _core.ShmBuffer, values: list[PreparedValue], entries: list[IndexEntry], checksum: bool
+        self,
+        buffer: _core.ShmBuffer,
+        values: list[PreparedValue],
+        entries: list[IndexEntry],
+        checksum: bool,
+        padding_ops: array.array,
     ) -> list[int]:
-        """Copy every value to its record's offset; returns the records' CRC32Cs (zeros without checksum)."""
+        """Copy every value to its record's offset and zero the gaps; returns the records' CRC32Cs."""
         crcs = [0] * len(values)
         direct_ops = array.array("Q")
         direct_positions = []
@@ -175,7 +203,9 @@ class CheckpointSaver:
                 direct_positions.append(position)
             else:
                 indirect_positions.append(position)
-        for position, crc in zip(direct_positions, _core.copy_into_buffer(buffer, direct_ops, checksum, self.threads)):
+        direct_ops.extend(padding_ops)  # in the same parallel pass; their CRCs are not needed
+        copied = _core.copy_into_buffer(buffer, direct_ops, checksum, self.threads)
+        for position, crc in zip(direct_positions, copied[: len(direct_positions)]):
             crcs[position] = crc
         if indirect_positions:
             items = [(values[p], entries[p]) for p in indirect_positions]
@@ -255,6 +285,7 @@ class SealJob:
     plan: ObjectPlan
     crcs: list[int] | None  # None: compute the data CRCs from the file
     checksum: bool
+    padding_zeroed: bool = False  # every gap of the layout was zeroed while staging
 
 
 @dataclass
@@ -290,7 +321,7 @@ def seal_object(job: SealJob, threads: int = 1) -> None:
             index_crc32c=_core.crc32c(index),
             record_count=len(plan.entries),
             writer_rank=job.rank,
-            flags=0 if job.checksum else FLAG_NO_DATA_CRC,
+            flags=(0 if job.checksum else FLAG_NO_DATA_CRC) | (FLAG_ZERO_PADDING if job.padding_zeroed else 0),
         ).encode()
         os.pwrite(fd, index, plan.index_offset)
         os.pwrite(fd, header, 0)

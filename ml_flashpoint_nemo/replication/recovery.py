@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from ml_flashpoint_nemo import _core
 from ml_flashpoint_nemo.core.format import CommitRecord, ObjectRecord
-from ml_flashpoint_nemo.core.layout import COMMIT_NAME, CheckpointLayout, rank_of_object
+from ml_flashpoint_nemo.core.layout import COMMIT_NAME, REPLICA_SPARES, CheckpointLayout, rank_of_object
 from ml_flashpoint_nemo.core.loader import open_object
 from ml_flashpoint_nemo.core.topology import NodeTopology, discover_nodes, problems_of_every_rank
 from ml_flashpoint_nemo.core.version_files import FILES_KEY, check_version_files
@@ -201,7 +201,7 @@ def _fetch_object(layout: CheckpointLayout, step: int, record: ObjectRecord, sou
             continue
         try:
             _core.transfer_fetch(address[0], address[1], endpoints.secret, relative, os.fspath(layout.base_dir),
-                                 **config.transfer_kwargs())
+                                 spare_dir=REPLICA_SPARES, **config.transfer_kwargs())
             verify_object(path, record)
             return None
         except Exception as exc:  # noqa: BLE001 - next holder, then report

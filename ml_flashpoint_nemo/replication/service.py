@@ -23,6 +23,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,9 +31,11 @@ from typing import Any
 import torch.distributed as dist
 
 from ml_flashpoint_nemo import _core
-from ml_flashpoint_nemo.core.layout import CheckpointLayout, rank_of_object
+from ml_flashpoint_nemo.core.format import ObjectRecord, whole_object_crc32c
+from ml_flashpoint_nemo.core.layout import REPLICA_SPARES, CheckpointLayout, rank_of_object
 from ml_flashpoint_nemo.core.topology import NodeTopology
 from ml_flashpoint_nemo.core.versions import committed_steps, read_commit
+from ml_flashpoint_nemo.errors import CorruptCheckpointError
 from ml_flashpoint_nemo.replication.placement import DEFAULT_FACTOR, effective_factor, push_targets
 
 logger = logging.getLogger(__name__)
@@ -60,6 +63,10 @@ class ReplicationConfig:
     backoff_s: float = 0.2
     max_connections: int = 4
     enabled: bool = True
+    # Bytes of retired replicas kept as spare files, so received replicas overwrite warm tmpfs
+    # pages instead of faulting in fresh ones. None: one version's replicas on this node (what
+    # the next version's replicas will need); 0: delete retired replicas as before.
+    spare_bytes: int | None = None
 
     def transfer_kwargs(self) -> dict[str, Any]:
         return {"connect_timeout_s": self.connect_timeout_s, "io_timeout_s": self.io_timeout_s,
@@ -122,7 +129,8 @@ def peer_endpoints(base_dir: str | os.PathLike[str], config: ReplicationConfig |
         Path(base_dir).mkdir(parents=True, exist_ok=True)
         host = advertised_host(config.host)
         server = _core.TransferServer(os.fspath(base_dir), secret, host=host, port=config.port,
-                                      max_connections=config.max_connections, io_timeout_s=config.io_timeout_s)
+                                      max_connections=config.max_connections, io_timeout_s=config.io_timeout_s,
+                                      spare_dir=REPLICA_SPARES)
         address = (host, server.port)
     except Exception as exc:  # noqa: BLE001 - peers learn this rank is unreachable through the gather
         logger.warning("Rank %d: the replication transfer server did not start: %s: %s",
@@ -311,7 +319,7 @@ class ReplicationService:
         pushed = 0
         try:
             commit = read_commit(self.layout, step)
-            mine = [(o.name, o.nbytes) for o in commit.objects if o.rank == self.rank]
+            mine = commit.objects_of_rank(self.rank)
         except Exception as exc:  # noqa: BLE001 - reported through the status
             return ReplicationStatus(step, UNDER_REPLICATED,
                                      {p: f"cannot read the version: {type(exc).__name__}: {exc}" for p in self.targets})
@@ -321,67 +329,165 @@ class ReplicationService:
             if address is None:
                 failed[peer] = f"rank {peer}: its transfer server did not start"
                 continue
-            for name, nbytes in mine:
+            for record in mine:
                 if self._closing:
                     failed[peer] = f"rank {peer}: the replication service closed first"
                     break
                 try:
-                    pushed += self._push_object(address, step, name, nbytes)
+                    pushed += self._push_object(address, step, record)
                 except Exception as exc:  # noqa: BLE001 - reported through the status
                     failed[peer] = f"rank {peer} at {address[0]}:{address[1]}: {type(exc).__name__}: {exc}"
                     break
         state = UNDER_REPLICATED if failed else REPLICATED
         return ReplicationStatus(step, state, failed, pushed, time.monotonic() - started)
 
-    def _push_object(self, address: tuple[str, int], step: int, name: str, nbytes: int) -> int:
-        """Push the object's nbytes only: a reused pool buffer may be longer than the object it holds."""
+    def _push_object(self, address: tuple[str, int], step: int, record: ObjectRecord) -> int:
+        """Push the object's nbytes only: a reused pool buffer may be longer than the object it holds.
+
+        The object's CRC32C is derived from its index, so the data is only sendfile()d, never
+        read here; the receiver checks the bytes against it.
+        """
         assert self._endpoints is not None
-        fd = os.open(self.layout.object_path(step, name), os.O_RDONLY | os.O_CLOEXEC)
+        path = self.layout.object_path(step, record.name)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            result = _core.transfer_push_fd(address[0], address[1], self._endpoints.secret, fd, f"step-{step}/{name}",
-                                            length=nbytes, **self.config.transfer_kwargs())
+            known_crc = _known_object_crc(fd, str(path), record)
+            try:
+                result = _core.transfer_push_fd(address[0], address[1], self._endpoints.secret, fd,
+                                                f"step-{step}/{record.name}", length=record.nbytes,
+                                                crc32c=known_crc, **self.config.transfer_kwargs())
+            except _core.TransferChecksumError as exc:
+                if known_crc is None:
+                    raise
+                raise _core.TransferChecksumError(
+                    f"{exc}. The bytes sent from {path} do not match the checksums in its own index, most "
+                    "likely because the RAM copy changed after the save (corrupt memory?); it was not replicated"
+                ) from exc
         finally:
             os.close(fd)
         return int(result["nbytes"])
 
     def _prune_replicas(self) -> None:
-        """Node leader: delete other nodes' objects from retired versions (their writers are not here to)."""
+        """Node leader: retire other nodes' objects from retired versions (their writers are not here to)."""
         if not self.topology.is_leader:
             return
         try:
-            prune_foreign_objects(self.layout, self.topology)
+            prune_foreign_objects(self.layout, self.topology, spare_bytes=self.config.spare_bytes)
         except Exception as exc:  # noqa: BLE001 - cleanup only; logged
             logger.warning("Rank %d: removing replicas of retired versions failed: %s", self.rank, exc)
 
 
-def prune_foreign_objects(layout: CheckpointLayout, topology: NodeTopology) -> list[int]:
-    """Delete objects of ranks not on this node from retired version directories; returns the steps touched.
+def _known_object_crc(fd: int, path: str, record: ObjectRecord) -> int | None:
+    """The object's whole CRC32C from its header and index; None: let the sender compute it while sending."""
+    try:
+        return whole_object_crc32c(fd, path, record)
+    except (CorruptCheckpointError, OSError) as exc:
+        # A damaged object is refused by every reader anyway; replicate it as before, checksummed on the way.
+        logger.debug("Replicating %s with a checksum computed while sending: its header or index cannot "
+                     "vouch for its bytes (%s)", path, exc)
+        return None
+
+
+def prune_foreign_objects(layout: CheckpointLayout, topology: NodeTopology, *,
+                          spare_bytes: int | None = None) -> list[int]:
+    """Retire objects of ranks not on this node from retired version directories; returns the steps touched.
 
     A version directory is retired once its commit record is gone and a newer version is
     committed (core.versions.retire_version removes the record first). Each rank retires only
     its own objects there, so replicas received from other nodes (or fetched during recovery)
-    would stay forever; this removes them and then the empty directory.
+    would stay forever; this moves them into the replica spare directory (up to spare_bytes,
+    see ReplicationConfig.spare_bytes), where the next received replica reuses their pages,
+    deletes the rest and then removes the empty directory.
     """
     committed = committed_steps(layout)
     if not committed:
         return []
     own = set(topology.ranks_of_node(topology.node))
-    touched = []
-    for step in layout.version_steps():
-        if step >= committed[-1] or layout.is_committed(step):
-            continue
-        directory = layout.version_dir(step)
+    retired = {step: _foreign_objects(layout.version_dir(step), own) for step in layout.version_steps()
+               if step < committed[-1] and not layout.is_committed(step)}
+    if spare_bytes is None:  # one version's replicas: the newest's, or a retired one's while the newest's arrive
+        versions = [_foreign_objects(layout.version_dir(committed[-1]), own), *retired.values()]
+        spare_bytes = max(sum(size for _, size in files) for files in versions)
+    spares = SpareFiles(layout, spare_bytes)
+    for step, files in retired.items():
+        for path, size in files:
+            spares.retire(path, size)
         try:
-            names = os.listdir(directory)
-        except FileNotFoundError:
-            continue
-        for name in names:
-            owner = rank_of_object(name)
-            if owner is not None and owner not in own:
-                (directory / name).unlink(missing_ok=True)
-                touched.append(step)
-        try:
-            directory.rmdir()
+            layout.version_dir(step).rmdir()
         except OSError:
             pass  # this node's own ranks still have objects there; they remove the directory
-    return sorted(set(touched))
+    spares.trim()
+    return sorted(step for step, files in retired.items() if files)
+
+
+def _foreign_objects(directory: Path, own: set[int]) -> list[tuple[Path, int]]:
+    """(path, size) of the objects in a version directory written by ranks not in own."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    found = []
+    for name in names:
+        owner = rank_of_object(name)
+        if owner is None or owner in own:
+            continue
+        try:
+            found.append((directory / name, os.stat(directory / name, follow_symlinks=False).st_size))
+        except FileNotFoundError:
+            continue
+    return found
+
+
+class SpareFiles:
+    """The replica spare directory: files of retired replicas, bounded by a byte budget.
+
+    Transfer servers take spares by renaming them away (atomically, so a file is taken by one
+    reception at most); everything here tolerates a spare vanishing at any moment.
+    """
+
+    def __init__(self, layout: CheckpointLayout, budget: int) -> None:
+        self.directory = layout.replica_spares_dir
+        self.budget = budget
+        self._held: int | None = None  # bytes in the directory, listed on first need
+
+    def retire(self, path: Path, size: int) -> None:
+        """Move a retired replica of size bytes into the spare directory if it fits the budget, else delete it."""
+        if self.budget > 0 and self.held() + size <= self.budget:
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                os.rename(path, self.directory / f"spare-{uuid.uuid4().hex}")
+                self._held = self.held() + size
+                return
+            except OSError as exc:
+                logger.debug("Could not keep %s as a spare (%s); deleting it", path, exc)
+        path.unlink(missing_ok=True)
+
+    def held(self) -> int:
+        if self._held is None:
+            self._held = sum(size for _, size in self._listing())
+        return self._held
+
+    def trim(self) -> None:
+        """Delete spares beyond the budget, smallest first (a big spare can hold any object)."""
+        listing = sorted(self._listing(), key=lambda item: item[1])
+        total = sum(size for _, size in listing)
+        for path, size in listing:
+            if total <= self.budget:
+                break
+            path.unlink(missing_ok=True)
+            total -= size
+        self._held = None
+
+    def _listing(self) -> list[tuple[Path, int]]:
+        try:
+            entries = list(os.scandir(self.directory))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        found = []
+        for entry in entries:
+            try:
+                if entry.is_file(follow_symlinks=False):
+                    found.append((Path(entry.path), entry.stat(follow_symlinks=False).st_size))
+            except FileNotFoundError:
+                continue
+        return found
