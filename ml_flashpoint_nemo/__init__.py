@@ -5,6 +5,7 @@ restart. The core (``ml_flashpoint_nemo.core``) needs torch only; the NeMo, Mega
 and DCP adapters import their frameworks lazily.
 """
 
+from ml_flashpoint_nemo._lazy import lazy_exports
 from ml_flashpoint_nemo.errors import (
     BaseDirError,
     ChecksumError,
@@ -23,10 +24,17 @@ from ml_flashpoint_nemo.errors import (
 
 __version__ = "0.1.0"
 
+# NeMo (and NVRx) are imported only by those who use those integrations.
+_EXPORTS = {
+    "FlashpointAbort": "nemo.inprocess",
+    "wrap_trainer_with_flashpoint": "nemo.wrap",
+}
+
 __all__ = [
     "BaseDirError",
     "ChecksumError",
     "CorruptCheckpointError",
+    "FlashpointAbort",
     "FlashpointError",
     "FormatVersionError",
     "LoadMismatchError",
@@ -41,11 +49,4 @@ __all__ = [
     "wrap_trainer_with_flashpoint",
 ]
 
-
-def __getattr__(name: str):
-    # NeMo is imported only by those who use the NeMo integration.
-    if name == "wrap_trainer_with_flashpoint":
-        from ml_flashpoint_nemo.nemo.wrap import wrap_trainer_with_flashpoint
-
-        return wrap_trainer_with_flashpoint
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -39,6 +39,7 @@ from concurrent.futures import TimeoutError as FutureTimeoutError
 from multiprocessing.managers import SyncManager
 from typing import Any, Callable, Iterator
 
+from ml_flashpoint_nemo.core import lifecycle
 from ml_flashpoint_nemo.errors import ManagerStartError
 
 logger = logging.getLogger(__name__)
@@ -123,6 +124,7 @@ class ManagerFuture(Future[SyncManager]):
             if self._closed:
                 return
             self._closed = True
+        lifecycle.unregister(self)
         if self._abandon(ManagerStartError("the multiprocessing Manager was closed before it had started")):
             return
         try:
@@ -134,6 +136,7 @@ class ManagerFuture(Future[SyncManager]):
 
     def _begin(self, server_hook: Callable[[], Any] | None) -> None:
         self.set_running_or_notify_cancel()  # from now on cancel() is a no-op; close() abandons instead
+        lifecycle.register(self, ManagerFuture.close, f"multiprocessing Manager (future at {id(self):#x})")
         self._timer = threading.Timer(self.timeout, self._expire)
         self._timer.name = "flashpoint-manager-deadline"
         self._timer.daemon = True
@@ -157,10 +160,15 @@ class ManagerFuture(Future[SyncManager]):
                 manager.start(_server_init, (os.getpid(), server_hook))
         except BaseException as exc:  # noqa: BLE001 - the future carries it to whoever waits
             exitcode = _reap_failed_child(manager)
-            detail = f"; its process exited with code {exitcode} (its traceback, if any, is on stderr)"
+            if exitcode is None:
+                hint = _GUARD_HINT
+            else:  # the child died: our Manager never re-imports __main__, so the guard is not the cause
+                hint = (f"Its process ({_mp_spawn.get_executable()}) exited with code {exitcode}; its traceback, if "
+                        "any, is on stderr. Check that this interpreter starts in the job's environment, and the "
+                        "process and memory limits (ulimit -u, cgroup) of the job.")
             error = ManagerStartError(
                 f"the multiprocessing Manager needed by async saves failed to start "
-                f"({type(exc).__name__}: {exc}){detail if exitcode is not None else ''}. {_GUARD_HINT}"
+                f"({type(exc).__name__}: {exc}). {hint}"
             )
             error.__cause__ = exc
             self._settle(error=error)

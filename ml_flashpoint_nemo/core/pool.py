@@ -25,6 +25,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from ml_flashpoint_nemo import _core
+from ml_flashpoint_nemo.core import lifecycle
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.pinning import CudaHostRegistry
 from ml_flashpoint_nemo.errors import OutOfSpaceError, PoolBusyError
@@ -74,6 +75,7 @@ class BufferPool:
         self._warmup: Future[None] | None = None
         self._closed = False
         self._adopt_free_buffers()
+        lifecycle.register(self, BufferPool.close, f"buffer pool {self.directory}")
 
     def _take_lock(self) -> int:
         fd = os.open(self.directory / _LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -143,7 +145,12 @@ class BufferPool:
         for _ in range(count - big_enough):
             buffer = self._create(target)
             with self._mutex:
-                self._free.append(buffer)
+                closed = self._closed
+                if not closed:
+                    self._free.append(buffer)
+            if closed:
+                self._close(buffer)
+                return
 
     def _create(self, nbytes: int) -> _core.ShmBuffer:
         try:
@@ -229,7 +236,13 @@ class BufferPool:
 
     def _add_free(self, buffer: _core.ShmBuffer) -> None:
         with self._mutex:
-            self._free.append(buffer)
+            closed = self._closed
+            if not closed:
+                self._free.append(buffer)
+        if closed:  # e.g. the warm-up thread finishing after a close: nobody would unmap it
+            self._close(buffer)
+            return
+        with self._mutex:
             excess: list[_core.ShmBuffer] = []
             while len(self._free) > self.max_free:
                 smallest = min(self._free, key=lambda b: b.size)
@@ -241,13 +254,14 @@ class BufferPool:
             Path(path).unlink(missing_ok=True)
 
     def close(self) -> None:
-        """Unmap every buffer (files stay for the next process) and drop the pool lock."""
-        if self._closed:
-            return
-        self._closed = True
+        """Unmap every buffer (files stay for the next process) and drop the pool lock; idempotent, thread-safe."""
         with self._mutex:
+            if self._closed:
+                return
+            self._closed = True
             buffers = self._free + list(self._placed.values())
             self._free, self._placed = [], {}
+        lifecycle.unregister(self)
         for buffer in buffers:
             self._close(buffer)
         if self._warmup is not None and not self._warmup.done():

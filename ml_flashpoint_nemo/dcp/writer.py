@@ -116,7 +116,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         return plans
 
     def _saver_for_rank(self) -> CheckpointSaver:
-        if self._saver is None or self._saver.rank != self.rank:
+        if self._saver is None or self._saver.rank != self.rank or self._saver.pool.closed:
             self._saver = _process_saver(self.layout, self.rank)
         self._saver.threads = self.threads or self._saver.threads
         self._saver.checksum = self.checksum
@@ -203,9 +203,14 @@ _SAVERS: dict[tuple[str, int], CheckpointSaver] = {}
 
 
 def release_process_savers() -> None:
-    """Close every saver this process holds (their pools' mappings and locks); versions stay on the tmpfs."""
-    while _SAVERS:
-        _, saver = _SAVERS.popitem()
+    """Close every saver this process holds (their pools' mappings and locks); versions stay on the tmpfs.
+
+    Safe from several threads at once (an abort and a teardown): each saver is taken by one of them.
+    """
+    with _SAVERS_LOCK:
+        savers = list(_SAVERS.values())
+        _SAVERS.clear()
+    for saver in savers:
         saver.close()
 
 

@@ -16,10 +16,13 @@ complete for dist_checkpointing.load.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 import logging
 import os
 import queue as queue_module
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +60,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 
+from ml_flashpoint_nemo.core import lifecycle
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.manager import (
     ManagerFuture,
@@ -68,7 +72,12 @@ from ml_flashpoint_nemo.core.manager import (
 from ml_flashpoint_nemo.core.saver import SealJob, StagedObject, seal_object
 from ml_flashpoint_nemo.core.topology import NodeTopology, discover_nodes, node_identity, problems_of_every_rank
 from ml_flashpoint_nemo.core.tuning import default_copy_threads
-from ml_flashpoint_nemo.core.version_files import check_version_files, version_copy, write_version_copy
+from ml_flashpoint_nemo.core.version_files import (
+    check_version_files,
+    register_regenerable_file,
+    version_copy,
+    write_version_copy,
+)
 from ml_flashpoint_nemo.core.versions import delete_superseded, read_commit
 from ml_flashpoint_nemo.dcp.reader import MemoryStorageReader
 from ml_flashpoint_nemo.dcp.storage_info import FlashpointStorageInfo
@@ -79,6 +88,9 @@ logger = logging.getLogger(__name__)
 
 BACKEND = "ml_flashpoint"
 VERSION = 1
+# metadata.json as megatron.core.dist_checkpointing.core.save_config writes it for this strategy
+_CONFIG_BYTES = json.dumps(dataclasses.asdict(CheckpointingConfig(BACKEND, VERSION))).encode()
+register_regenerable_file(CONFIG_FNAME, _CONFIG_BYTES)
 
 
 def _split_checkpoint_dir(checkpoint_dir: str | os.PathLike[str]) -> tuple[CheckpointLayout, str]:
@@ -133,7 +145,8 @@ class _StagingWriter(MemoryStorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         version_dir = self.layout.version_dir(self.step)
         version_dir.mkdir(parents=True, exist_ok=True)
-        # Before the commit, not after. Megatron rewrites the same bytes once the save is final.
+        # Before the commit, not after. Megatron rewrites the same bytes once the save is final (in place:
+        # a kill during that rewrite is repaired from _CONFIG_BYTES, see register_regenerable_file).
         save_config(CheckpointingConfig(BACKEND, VERSION), str(version_dir))
         super().finish(metadata, results)
 
@@ -174,6 +187,7 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         self._cached_plans: tuple[Any, Any, bool] | None = None
         self._cached_metadata: Metadata | None = None
         self._nodes: _NodeCopies | None = None
+        self._close_lock = threading.Lock()
 
     def _structure_unchanged_on_every_rank(self, sharded_state_dict: ShardedStateDict, base_dir: Path) -> bool:
         """True when no rank's keys, shapes, dtypes, sharding or base directory changed since the last save.
@@ -207,6 +221,7 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         return queue
 
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path) -> AsyncRequest:
+        lifecycle.register(self, FlashpointSaveStrategy.close)  # it now holds the Manager and replication
         report_queue = self._report_queue_agreed_by_all_ranks()
         # Only main replicas are written (as Megatron's torch_dist does): replicated tensors once per job.
         sharded_state_dict, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, True)
@@ -256,15 +271,19 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         return True
 
     def close(self) -> None:
-        """Release this process's buffer pools of the bases saved to (RAM versions stay) and the Manager."""
-        release_process_savers()
-        if self._replication is not None:  # stop the push thread and the transfer server
-            self._replication.close()
-            self._replication = None
-        if self.manager_future is not None:
-            shutdown_manager(self.manager_future)
-            self.manager_future = None
+        """Release this process's buffer pools of the bases saved to (RAM versions stay) and the Manager.
+
+        No collective; safe from another thread (an abort), and any number of times.
+        """
+        with self._close_lock:  # each resource is taken by exactly one closer
+            replication, self._replication = self._replication, None
+            manager_future, self.manager_future = self.manager_future, None
             self._report_queue = None
+        release_process_savers()
+        if replication is not None:  # stop the push thread and the transfer server
+            replication.close()
+        shutdown_manager(manager_future)
+        lifecycle.unregister(self)
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,4 +1,5 @@
-"""NeMo 2.0 integration: one-line wrapping, checkpoint IO routing, callback, AutoResume, NeMo-Run plugin.
+"""NeMo 2.0 integration: one-line wrapping, checkpoint IO routing, callback, AutoResume, NeMo-Run plugin,
+and the abort step for NVRx in-process restarts.
 
     from ml_flashpoint_nemo import wrap_trainer_with_flashpoint
     wrap_trainer_with_flashpoint(trainer)
@@ -9,6 +10,7 @@ from __future__ import annotations
 from ml_flashpoint_nemo._lazy import lazy_exports
 
 _EXPORTS = {
+    "FlashpointAbort": "inprocess",
     "FlashpointAutoResume": "resume",
     "FlashpointCallback": "callback",
     "FlashpointCheckpointIO": "checkpoint_io",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -27,11 +28,14 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyPara
 from nemo.lightning.io.pl import MegatronCheckpointIO
 from nemo.utils.callbacks.dist_ckpt_io import AsyncFinalizableCheckpointIO
 
+from ml_flashpoint_nemo.core import lifecycle
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.manager import ManagerFuture
+from ml_flashpoint_nemo.core.space import check_room_on_every_rank
 from ml_flashpoint_nemo.core.versions import read_commit, retire_version
 from ml_flashpoint_nemo.dcp.storage_info import step_of_checkpoint_id
-from ml_flashpoint_nemo.errors import BaseDirError, FlashpointError, TrainerSetupError
+from ml_flashpoint_nemo.errors import BaseDirError, FlashpointError, OutOfSpaceError, TrainerSetupError
+from ml_flashpoint_nemo.megatron.async_workers import stop_async_workers
 from ml_flashpoint_nemo.megatron.strategies import FlashpointSaveStrategy
 from ml_flashpoint_nemo.nemo.settings import FlashpointSettings
 from ml_flashpoint_nemo.replication.service import ReplicationConfig
@@ -86,6 +90,8 @@ class FlashpointCheckpointIO(AsyncFinalizableCheckpointIO):
         self._pending: deque[int] = deque()  # steps scheduled on the flashpoint queue, oldest first
         self._save_strategy: Any = None
         self._validated = False
+        self._closing = threading.Lock()
+        lifecycle.register(self, _close_dropping_saves)
 
     # --- routing ------------------------------------------------------------------------------
 
@@ -138,6 +144,12 @@ class FlashpointCheckpointIO(AsyncFinalizableCheckpointIO):
 
     def _save_to_ram(self, checkpoint: dict[str, Any], path: Any, options: dict[str, Any]) -> None:
         step = step_of_checkpoint_id(self.layout, path)
+        try:
+            check_room_on_every_rank(self.layout.base_dir)  # collective: a full tmpfs skips the save everywhere
+        except OutOfSpaceError as exc:
+            logger.error("Flashpoint save of step %d skipped, training continues: %s", step, exc)
+            self.outcomes.append(SaveOutcome(step=step, staging_s=0.0, error=str(exc)))
+            return
         directory = self.layout.version_dir(step)
         directory.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
@@ -156,6 +168,7 @@ class FlashpointCheckpointIO(AsyncFinalizableCheckpointIO):
             return
         request.add_finalize_fn(lambda: self.outcomes.append(self._outcome(self._pending.popleft(), blocking)))
         self._pending.append(step)
+        lifecycle.register(self, _close_dropping_saves)  # again, in case it was closed and is used once more
         self.flashpoint_queue.schedule_async_request(request)
 
     @property
@@ -199,22 +212,36 @@ class FlashpointCheckpointIO(AsyncFinalizableCheckpointIO):
         """Stop the flashpoint worker, replication and Manager (RAM versions stay).
 
         finalize=True (collective) commits saves still in flight; without it they are dropped and
-        the newest committed version stays the one to resume from.
+        the newest committed version stays the one to resume from. Without finalize it runs no
+        collective, so an abort may call it from another thread; a close already running in
+        another thread makes this call return at once.
         """
-        pending = self.flashpoint_queue.get_num_unfinalized_calls()
-        if pending and finalize:
-            self.finalize_flashpoint(blocking=True)
-        elif pending:
-            logger.warning("%d flashpoint save(s) still in flight are dropped; the newest committed RAM version "
-                           "is kept", pending)
-        self.flashpoint_queue.close(abort=bool(pending) and not finalize)
-        self.flashpoint_strategy.close()
+        if not self._closing.acquire(blocking=False):
+            return
+        try:
+            pending = self.flashpoint_queue.get_num_unfinalized_calls()
+            if pending and finalize:
+                self.finalize_flashpoint(blocking=True)
+            elif pending:
+                logger.warning("%d flashpoint save(s) still in flight are dropped; the newest committed RAM version "
+                               "is kept", pending)
+            stop_async_workers(self.flashpoint_queue)
+            self._pending.clear()
+            self.flashpoint_strategy.close()
+            lifecycle.unregister(self)
+        finally:
+            self._closing.release()
 
     def teardown(self) -> None:
         # Lightning also tears down after an error, when other ranks may be gone: no collectives here.
         # The callback finalizes at the end of training, on every rank.
         self.close(finalize=False)
         self.checkpoint_io.teardown()
+
+
+def _close_dropping_saves(io: FlashpointCheckpointIO) -> None:
+    """How the restart registry closes an IO: no collective, saves in flight dropped."""
+    io.close(finalize=False)
 
 
 def version_path(settings: FlashpointSettings, step: int) -> Path:

@@ -62,7 +62,7 @@ def wrap_trainer_with_flashpoint(
     """
     wiring: FlashpointWiring | None = getattr(trainer, "_flashpoint", None)
     if wiring is not None:
-        if options or base_dir is not None and _callback is None:
+        if _callback is None and (options or base_dir is not None):  # not the callback's own setup
             logger.warning("wrap_trainer_with_flashpoint: this trainer is already wired; new options are ignored")
         _rewrap_checkpoint_io_if_replaced(trainer, wiring)
         return wiring.callback
