@@ -21,7 +21,8 @@ def free_port() -> int:
 
 
 def launch_ranks(script: str, argv: Sequence[str], nproc: int = 2, timeout: float = 600.0,
-                 env: dict[str, str] | None = None, log_dir: str | os.PathLike[str] | None = None) -> int:
+                 env: dict[str, str] | None = None, log_dir: str | os.PathLike[str] | None = None,
+                 stop_on_failure: bool = False) -> int:
     """Run `script argv` as nproc ranks (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT set).
 
     Returns the worst exit code: negative if a rank was killed by a signal (-9 for SIGKILL);
@@ -29,6 +30,8 @@ def launch_ranks(script: str, argv: Sequence[str], nproc: int = 2, timeout: floa
     each rank's output goes to <log_dir>/rank-<r>.log instead of this terminal.
     Each rank runs in its own session, killed as a whole at the end, so helper processes of
     a SIGKILLed rank (e.g. the Manager Megatron's own async writer spawns) do not outlive it.
+    With stop_on_failure, the first rank that fails ends the others at once, as an elastic
+    launcher stops a worker group (their codes then do not count).
     """
     port = free_port()
     procs = []
@@ -46,12 +49,15 @@ def launch_ranks(script: str, argv: Sequence[str], nproc: int = 2, timeout: floa
         if output is not None:
             output.close()  # the child holds its own descriptor
     deadline = time.time() + timeout
-    codes = []
+    codes: list[int | None] = [None] * nproc
     try:
-        for proc in procs:
-            codes.append(proc.wait(timeout=max(0.0, deadline - time.time())))
-    except subprocess.TimeoutExpired:
-        raise TimeoutError(f"{script} did not finish within {timeout:.0f} s; its ranks were killed") from None
+        while None in codes:
+            codes = [proc.poll() for proc in procs]
+            if stop_on_failure and any(code for code in codes):
+                break
+            if None in codes and time.time() > deadline:
+                raise TimeoutError(f"{script} did not finish within {timeout:.0f} s; its ranks were killed")
+            time.sleep(0.05)
     finally:
         for proc in procs:
             try:
@@ -59,4 +65,5 @@ def launch_ranks(script: str, argv: Sequence[str], nproc: int = 2, timeout: floa
             except ProcessLookupError:
                 pass
             proc.wait()
-    return min(codes) if min(codes) < 0 else max(codes)
+    finished = [code for code in codes if code is not None]
+    return min(finished) if min(finished) < 0 else max(finished)

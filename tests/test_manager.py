@@ -103,6 +103,7 @@ def test_start_failure_is_raised_with_its_cause(start: Callable[..., ManagerFutu
     with pytest.raises(ManagerStartError, match="failed to start") as info:
         future.result(what="this test")
     assert "exited with code 1" in str(info.value)
+    assert "__main__" not in str(info.value)  # the guard advice is for hangs; our child never re-imports main
     assert isinstance(info.value.__cause__, EOFError)
     assert isinstance(info.value, FlashpointError)
     with pytest.raises(ManagerStartError):  # every later wait fails the same way, at once

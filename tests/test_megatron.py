@@ -41,6 +41,11 @@ def test_megatron_corrupted_object_or_common_state_is_refused(base_dir, file, of
     assert all("REFUSED" in out for out in outputs), outputs
 
 
+def test_truncated_metadata_json_of_a_committed_version_is_restored(base_dir):
+    outputs = run("interrupted_config_rewrite_is_repaired", 2, base=base_dir)
+    assert all("REPAIRED" in out and "RESTORED" in out for out in outputs), outputs
+
+
 def test_failed_background_write_fails_every_rank_and_keeps_previous(base_dir):
     outputs = run("failed_background_write_fails_every_rank", 2, base=base_dir)
     assert all("SAVE FAILED" in out and "rank 1" in out for out in outputs), outputs

@@ -82,8 +82,12 @@ def test_objects_only_on_another_node_are_fetched_before_resuming(two_nodes):
 
 
 def test_version_whose_only_copy_is_corrupt_is_skipped_everywhere(two_nodes):
-    # node 0 holds the only copy of rank 0's step-2 object (no replication here) and it is flipped
-    flip(Path(two_nodes[0]) / "step-2" / "rank-00000-0.fpo")
+    # rank 0's step-2 object is flipped on node 0 and in node 1's replica (when the save pushed one):
+    # recovery drops the corrupt local copy, finds no good one on a peer and uses step 1
+    for base in two_nodes:
+        replica = Path(base) / "step-2" / "rank-00000-0.fpo"
+        if replica.is_file():
+            flip(replica)
     assert chosen(two_nodes, 2) == {"CHOSEN 1"}
 
 

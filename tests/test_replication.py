@@ -17,7 +17,10 @@ import pytest
 
 from ml_flashpoint_nemo.core.layout import CheckpointLayout, object_name
 from ml_flashpoint_nemo.core.topology import NodeTopology
-from ml_flashpoint_nemo.core.versions import committed_steps, retire_version
+from ml_flashpoint_nemo.cli.common import scan_replica_spares
+from ml_flashpoint_nemo.cli.ls import scan_versions
+from ml_flashpoint_nemo.core.loader import open_object
+from ml_flashpoint_nemo.core.versions import committed_steps, list_versions, read_commit, retire_version
 from ml_flashpoint_nemo.replication.placement import holder_nodes, push_targets, target_nodes
 from ml_flashpoint_nemo.replication.service import prune_foreign_objects
 from tests.support.multiproc import free_port, run_world
@@ -68,6 +71,44 @@ def test_foreign_objects_of_retired_versions_are_pruned(shm_dir):
     assert sorted(os.listdir(layout.version_dir(2))) == ["COMMIT", object_name(0), object_name(1)]  # committed
 
 
+def _versions_with_replicas(layout: CheckpointLayout, sizes: dict[int, int]) -> None:
+    """Versions step -> replica size: rank 0's object is a replica on node 1 (rank 1), committed, then
+    every version but the newest retired by rank 1 (which leaves the replicas to prune)."""
+    for step, size in sizes.items():
+        d = layout.version_dir(step)
+        d.mkdir(parents=True)
+        (d / object_name(0)).write_bytes(os.urandom(size))
+        (d / object_name(1)).write_bytes(b"own")
+        (d / "COMMIT").write_bytes(b"{}")
+    for step in sorted(sizes)[:-1]:
+        retire_version(layout, step, rank=1)
+
+
+def test_pruned_replicas_become_spares_up_to_one_versions_worth(shm_dir):
+    layout = CheckpointLayout(shm_dir)
+    topology = NodeTopology((0, 1), rank=1)
+    _versions_with_replicas(layout, {1: 5000, 2: 7000, 3: 6000})
+    kept_inodes = {os.stat(layout.object_path(s, object_name(0))).st_ino for s in (1, 2)}
+    assert prune_foreign_objects(layout, topology) == [1, 2]
+    spares = list(layout.replica_spares_dir.iterdir())
+    # Default budget: the largest version's replicas (7000 bytes): one of the two retired files fits.
+    assert len(spares) == 1 and spares[0].stat().st_ino in kept_inodes and spares[0].stat().st_size <= 7000
+    assert layout.version_steps() == [3] and committed_steps(layout) == [3]  # spares are never versions
+    assert [v.step for v in scan_versions(layout)] == [3] and [v.step for v in list_versions(shm_dir)] == [3]
+    assert scan_replica_spares(layout).files == 1
+
+
+def test_pruning_with_no_spare_budget_deletes_and_trims_spares(shm_dir):
+    layout = CheckpointLayout(shm_dir)
+    topology = NodeTopology((0, 1), rank=1)
+    _versions_with_replicas(layout, {1: 5000, 2: 6000})
+    layout.replica_spares_dir.mkdir(parents=True)
+    (layout.replica_spares_dir / "old-spare").write_bytes(os.urandom(100))
+    assert prune_foreign_objects(layout, topology, spare_bytes=0) == [1]
+    assert list(layout.replica_spares_dir.iterdir()) == []  # over the (zero) budget: removed too
+    assert not layout.version_dir(1).exists()
+
+
 # --- multi-process ------------------------------------------------------------------------------
 
 
@@ -113,6 +154,37 @@ def test_wiped_node_recovers_newest_version_from_peers(shm_dir, nodes, ranks_per
     outputs = run("restart_load", world, bases=bases, ranks_per_node=ranks_per_node)
     assert all("CHOSEN None" in out for out in outputs), outputs
     assert "every copy was lost" in outputs[0] and "fall back to the durable checkpoint" in outputs[0], outputs[0]
+
+
+def test_corrupt_own_object_is_replaced_by_the_peers_replica(shm_dir):
+    """2 nodes x 1 rank, step 2 replicated. A bit flips in node 1's own object: recovery drops that copy,
+    fetches node 0's replica, verifies it and resumes from step 2 bit-exactly (not from step 1). With
+    the replica flipped as well, no good copy exists and step 1 is used."""
+    bases = bases_for(shm_dir, 2)
+    outputs = run("replicate", 2, bases=bases, ranks_per_node=1, steps=[1, 2])
+    assert all(s.endswith("replicated failed=[]") for s in statuses(outputs, 2)), outputs
+    own, replica = (Path(b) / "step-2" / object_name(1) for b in (bases[1], bases[0]))
+    snapshot = replica.read_bytes()
+
+    record = next(o for o in read_commit(CheckpointLayout(bases[1]), 2).objects if o.name == object_name(1))
+    with open_object(str(own), record) as obj:
+        offset = next(e.offset for e in obj.entries if e.key.startswith("layer.weight"))
+
+    def flip(path: Path) -> None:
+        data = bytearray(path.read_bytes())
+        data[offset] ^= 0x10  # inside the weight's data
+        path.write_bytes(bytes(data))
+
+    flip(own)
+    outputs = run("restart_load", 2, bases=bases, ranks_per_node=1)
+    assert all("CHOSEN 2" in out and "LOADED 2 OK" in out for out in outputs), outputs
+    assert "drops its corrupt object rank-00001-0.fpo" in outputs[1], outputs[1]
+    assert own.read_bytes() == snapshot  # the good replica took its place
+    flip(own)
+    flip(replica)
+    outputs = run("restart_load", 2, bases=bases, ranks_per_node=1)
+    assert all("CHOSEN 1" in out and "LOADED 1 OK" in out for out in outputs), outputs
+    assert "fails its CRC32C" in outputs[0] + outputs[1], outputs
 
 
 def test_unreachable_peer_leaves_version_under_replicated_then_older_version_is_recovered(shm_dir):

@@ -275,18 +275,24 @@ def verify_version(
     for record in commit.objects:
         if ranks is not None and record.rank not in ranks:
             continue
-        with open_object(str(layout.object_path(step, record.name)), record) as obj:
-            ranges = array.array("Q")
-            for entry in obj.entries:
-                ranges.extend((entry.offset, entry.nbytes))
-            try:
-                crcs = _core.checksum_file_ranges(obj.fd, ranges, threads)
-            except EOFError as exc:
-                raise CorruptCheckpointError(f"object {obj.path} is truncated ({exc})") from exc
-            for entry, crc in zip(obj.entries, crcs):
-                _check_crc(obj, entry, crc)
-            objects += 1
-            records += len(obj.entries)
-            nbytes += sum(e.nbytes for e in obj.entries)
+        count, size = verify_object_file(layout.object_path(step, record.name), record, threads)
+        objects += 1
+        records += count
+        nbytes += size
     return VerifyReport(step, objects, records, nbytes, files)
+
+
+def verify_object_file(path: str | os.PathLike[str], record: ObjectRecord, threads: int = 1) -> tuple[int, int]:
+    """Check one object (header, index, every record's data) against its commit record; (records, bytes)."""
+    with open_object(os.fspath(path), record) as obj:
+        ranges = array.array("Q")
+        for entry in obj.entries:
+            ranges.extend((entry.offset, entry.nbytes))
+        try:
+            crcs = _core.checksum_file_ranges(obj.fd, ranges, threads)
+        except EOFError as exc:
+            raise CorruptCheckpointError(f"object {obj.path} is truncated ({exc})") from exc
+        for entry, crc in zip(obj.entries, crcs):
+            _check_crc(obj, entry, crc)
+        return len(obj.entries), sum(e.nbytes for e in obj.entries)
 

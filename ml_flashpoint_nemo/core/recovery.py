@@ -5,7 +5,9 @@ missing or flipped byte. Each rank lists the versions committed on its node; the
 candidates are the steps committed on every node, newest first; for each candidate
 every rank checks its own objects and the version's files, and the first candidate
 that checks out on every rank wins. Skipped candidates are logged with the reason on
-every rank. Two small all-gathers per candidate, no data moved.
+every rank. Two small all-gathers per candidate, no data moved. When a candidate fails
+because a rank's own object is corrupt, that object is dropped and fetched again from a
+peer's replica (when one exists) before the candidate is checked once more.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from typing import Any
 import torch.distributed as dist
 
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
-from ml_flashpoint_nemo.core.loader import verify_version
+from ml_flashpoint_nemo.core.loader import verify_object_file, verify_version
+from ml_flashpoint_nemo.core.topology import discover_nodes, problems_of_every_rank
 from ml_flashpoint_nemo.core.versions import committed_steps, read_commit
 from ml_flashpoint_nemo.errors import FlashpointError
 
@@ -52,6 +55,31 @@ def _local_problem(layout: CheckpointLayout, step: int, rank: int, world_size: i
     return None
 
 
+def _drop_corrupt_objects_on_every_rank(layout: CheckpointLayout, step: int, rank: int) -> bool:
+    """Collective: each rank deletes its own objects of step that fail their checksums; True if any rank did.
+
+    A peer node may hold a good replica, which the fetch that follows brings back; without
+    one the version stays unusable, as it already was with the corrupt copy.
+    """
+    dropped = []
+    try:
+        records = [r for r in read_commit(layout, step).objects if r.rank == rank]
+    except (FlashpointError, OSError):
+        records = []
+    for record in records:
+        path = layout.object_path(step, record.name)
+        try:
+            verify_object_file(path, record)
+        except FileNotFoundError:
+            continue
+        except (FlashpointError, OSError) as exc:
+            logger.warning("RAM checkpoint step %d: rank %d drops its corrupt object %s to fetch a peer's replica: %s",
+                           step, rank, record.name, exc)
+            path.unlink(missing_ok=True)
+            dropped.append(record.name)
+    return bool(problems_of_every_rank(", ".join(dropped) or None))
+
+
 def choose_version(base_dir: str | os.PathLike[str]) -> RecoveryChoice:
     """Collective: the newest step every rank can resume from, checked on every rank."""
     if dist.get_world_size() > 1:  # first fetch what this node lacks (objects, version files) from peers
@@ -70,9 +98,13 @@ def choose_version(base_dir: str | os.PathLike[str]) -> RecoveryChoice:
         missing_on = [r for r, steps in enumerate(everyone) if newest_anywhere not in steps]
         skipped[newest_anywhere] = [f"not committed on the node of ranks {missing_on}"]
     for step in candidates:
-        problems: list[Any] = [None] * world_size
-        dist.all_gather_object(problems, _local_problem(layout, step, rank, world_size))
-        found = [p for p in problems if p]
+        found = problems_of_every_rank(_local_problem(layout, step, rank, world_size))
+        if found and world_size > 1 and discover_nodes(base_dir).node_count > 1 \
+                and _drop_corrupt_objects_on_every_rank(layout, step, rank):  # a peer may hold a good replica
+            from ml_flashpoint_nemo.replication.recovery import fetch_missing_from_peers
+
+            fetch_missing_from_peers(base_dir)  # a peer's replica replaces what was dropped, verified
+            found = problems_of_every_rank(_local_problem(layout, step, rank, world_size))
         if not found:
             _log_skipped(skipped, step)
             return RecoveryChoice(step, skipped)

@@ -10,6 +10,7 @@ record last.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -21,6 +22,7 @@ from ml_flashpoint_nemo.core.versions import fsync_directory, write_file_atomica
 from ml_flashpoint_nemo.errors import ChecksumError, CorruptCheckpointError
 
 FILES_KEY = "files"
+logger = logging.getLogger(__name__)
 
 
 def describe_bytes(data: bytes) -> dict[str, int]:
@@ -39,17 +41,41 @@ def describe_files(directory: Path, names: Iterable[str]) -> dict[str, dict[str,
     return described
 
 
+# name -> its only possible content. Megatron rewrites metadata.json in place (truncate, then
+# write) after the save is final, i.e. after our commit; a kill in between leaves it truncated
+# in a committed version. Such a file is rewritten from its known content when that content
+# matches the commit record, instead of the version being lost.
+_REGENERABLE: dict[str, bytes] = {}
+
+
+def register_regenerable_file(name: str, content: bytes) -> None:
+    """Declare the only content a version-level file can have (an adapter calls this at import)."""
+    _REGENERABLE[name] = content
+
+
 def read_checked_file(layout: CheckpointLayout, commit: CommitRecord, name: str) -> bytes:
     """The bytes of a version-level file, checked against the commit record; raises if they differ."""
     path = layout.version_dir(commit.step) / name
     try:
         data = path.read_bytes()
     except FileNotFoundError:
+        data = None
+    known = _REGENERABLE.get(name)
+    if data != known and known is not None and _matches_record(commit, name, known):
+        logger.warning("%s of committed version %d was %s (interrupted rewrite); restored from its known content",
+                       path, commit.step, "missing" if data is None else "damaged")
+        write_file_atomically(path.parent, name, known, f"{name} of step {commit.step}")
+        return known
+    if data is None:
         raise CorruptCheckpointError(
             f"{path} of committed version {commit.step} is missing. Load an older version or the durable checkpoint."
-        ) from None
+        )
     _check_bytes(commit, name, data, str(path))
     return data
+
+
+def _matches_record(commit: CommitRecord, name: str, data: bytes) -> bool:
+    return (commit.metadata.get(FILES_KEY) or {}).get(name) == describe_bytes(data)
 
 
 def check_version_files(layout: CheckpointLayout, commit: CommitRecord) -> int:

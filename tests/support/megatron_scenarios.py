@@ -124,6 +124,35 @@ def save_then_corrupt_is_refused(p: dict[str, Any]) -> None:
     expect_failure(lambda: load(p, 1), "REFUSED")
 
 
+def interrupted_config_rewrite_is_repaired(p: dict[str, Any]) -> None:
+    """Megatron rewrites metadata.json in place after our commit; a kill there leaves it truncated.
+
+    Recovery still chooses the version and it loads: the file is restored from its only possible
+    content, which matches the commit record.
+    """
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+
+    from ml_flashpoint_nemo.megatron.strategies import BACKEND, VERSION
+
+    save(p, 1, None)
+    config = Path(p["base"]) / "step-1" / "metadata.json"
+    written = config.read_bytes()
+    dist.barrier()  # every rank read it before rank 0 truncates it
+    if dist.get_rank() == 0:
+        config.write_bytes(b"")  # the truncation before Megatron's write
+    dist.barrier()
+    assert choose_version(p["base"]).step == 1  # recovery checks the version's files (and repairs this one)
+    assert config.read_bytes() == written, config.read_bytes()
+    check_loaded(load(p, 1), 1)
+    print("REPAIRED", flush=True)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        save_config(CheckpointingConfig(BACKEND, VERSION + 1), str(config.parent))  # well-formed, but not ours
+    dist.barrier()
+    assert choose_version(p["base"]).step == 1 and config.read_bytes() == written  # any damage: one content
+    print("RESTORED", flush=True)
+
+
 def plan_reused_only_while_structure_is_unchanged(p: dict[str, Any]) -> None:
     """Saves 1-2 share a structure (the plan is reused); save 3 adds a tensor on rank 1 only."""
     strategy = save_strategy(p)
@@ -195,7 +224,7 @@ def manager_failure_fails_first_save_everywhere(p: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    scenario_main({f.__name__: f for f in (roundtrip, save_then_corrupt_is_refused,
+    scenario_main({f.__name__: f for f in (roundtrip, save_then_corrupt_is_refused, interrupted_config_rewrite_is_repaired,
                                            failed_background_write_fails_every_rank,
                                            manager_failure_fails_first_save_everywhere,
                                            plan_reused_only_while_structure_is_unchanged,

@@ -1,0 +1,62 @@
+"""Room for a save's small files on every node, agreed by every rank before Megatron writes them.
+
+Megatron's dist_checkpointing.save writes the common state (common.pt) on global rank 0 alone,
+before any save strategy runs, and metadata.json on rank 0 alone when the save is finalized. On
+a full tmpfs that write fails on rank 0 only: rank 0 raises while the other ranks enter the
+strategy's collectives and wait for it, and the job dies instead of skipping one RAM save. The
+pool's buffers are reused, so a full tmpfs is noticed nowhere else. Checking free space on every
+rank first, and failing the save on every rank together, keeps the failure a skipped save.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ml_flashpoint_nemo.core.layout import CheckpointLayout
+from ml_flashpoint_nemo.core.topology import problems_of_every_rank
+from ml_flashpoint_nemo.core.versions import committed_steps
+from ml_flashpoint_nemo.errors import OutOfSpaceError
+
+MIN_FREE_BYTES = 4 << 20  # room for a first save's common state and metadata, whose size is not known yet
+
+
+def bytes_needed(layout: CheckpointLayout) -> int:
+    """Twice the version-level files of the newest committed version (they grow little), at least MIN_FREE_BYTES."""
+    steps = committed_steps(layout)
+    if not steps:
+        return MIN_FREE_BYTES
+    directory = layout.version_dir(steps[-1])
+    small = 0
+    for entry in os.scandir(directory) if directory.is_dir() else ():
+        if entry.is_file() and not entry.name.endswith(".fpo"):
+            small += entry.stat().st_size
+    return max(MIN_FREE_BYTES, 2 * small)
+
+
+def room_problem(base_dir: str | os.PathLike[str]) -> str | None:
+    """Why this rank's node cannot take the next version's small files (None: it can)."""
+    layout = CheckpointLayout(base_dir)
+    needed = bytes_needed(layout)
+    try:
+        vfs = os.statvfs(Path(base_dir))
+    except OSError as exc:
+        return f"cannot check free space in {base_dir}: {exc}"
+    free = vfs.f_bavail * vfs.f_frsize
+    if free < needed:
+        return f"{base_dir} has {free} bytes free, the save needs at least {needed}"
+    return None
+
+
+def check_room_on_every_rank(base_dir: str | os.PathLike[str]) -> None:
+    """Collective: raise OutOfSpaceError on every rank if any rank's node lacks room for the next save.
+
+    Call it right before megatron.core.dist_checkpointing.save of a RAM version (the NeMo
+    checkpoint IO does); the previous versions stay intact and training can go on.
+    """
+    failed = problems_of_every_rank(room_problem(base_dir))
+    if failed:
+        raise OutOfSpaceError(
+            "flashpoint save skipped, the tmpfs is full: " + "; ".join(failed)
+            + ". Free memory on that node (other jobs' files in /dev/shm?), lower `keep`, or give the tmpfs more room."
+        )
