@@ -114,3 +114,18 @@ def test_callback_config_alone_wires_the_trainer_and_resumes_from_ram(reference,
     committed = [row for row in rows if row.get("flashpoint/committed_step")]
     assert [float(row["flashpoint/committed_step"]) for row in committed] == [6.0, 8.0], rows
     assert all(float(row["flashpoint/bytes"]) > 0 and float(row["flashpoint/blocking_s"]) > 0 for row in committed)
+
+
+def test_replication_state_is_reported_through_the_trainers_logger(tmp_path, shm_dir):
+    """Each rank its own node (its own base dir): every committed save also logs the newest version
+    replicated on every rank and how many ranks' newest push left a peer without its copy."""
+    train(tmp_path, "nodes", shm_dir / "node{rank}", "--route", "callback_config", "--every", "2",
+          "--csv-logger", str(tmp_path / "csv"))
+    rows = list(csv.DictReader((tmp_path / "csv" / "metrics" / "version_0" / "metrics.csv").open()))
+    committed = [row for row in rows if row.get("flashpoint/committed_step")]
+    assert [float(row["flashpoint/committed_step"]) for row in committed] == [2.0, 4.0, 6.0, 8.0], rows
+    replicated = [float(row["flashpoint/replicated_step"]) for row in committed]
+    assert replicated == sorted(replicated) and replicated[-1] >= 4, replicated
+    assert all(r <= c for r, c in zip(replicated, [2, 4, 6, 8])), replicated  # never ahead of the commits
+    assert all(float(row["flashpoint/under_replicated_ranks"]) == 0 for row in committed), committed
+    assert all(shm_dir.joinpath(f"node{r}", "step-8", "COMMIT").is_file() for r in (0, 1))

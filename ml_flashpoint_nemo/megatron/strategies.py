@@ -267,6 +267,11 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
                                                          self.replication_config or ReplicationConfig())
         return self._replication
 
+    @property
+    def replication(self) -> Any:
+        """The replication service (started at the first save), or None before it."""
+        return self._replication
+
     def can_handle_sharded_objects(self) -> bool:
         return True
 

@@ -3,7 +3,8 @@
 Saves every `every_n_steps` optimizer steps, except at steps where a ModelCheckpoint
 saves the durable checkpoint anyway; finalizes finished saves without blocking on each
 batch and blocking at the end of training; reports each committed save through the
-trainer's logger (blocking seconds, bytes, GB/s, committed step). Added to a trainer's
+trainer's logger (blocking seconds, bytes, GB/s, committed step and, across nodes, the newest
+version replicated everywhere and how many ranks' newest is under-replicated). Added to a trainer's
 callbacks (e.g. as run.Config(FlashpointCallback, ...) in a recipe), it wires the trainer
 for flashpoint in its setup hook, so no code change is needed.
 """
@@ -19,6 +20,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from ml_flashpoint_nemo.nemo.settings import FlashpointSettings, checked_options
+from ml_flashpoint_nemo.replication.service import UNDER_REPLICATED
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +93,25 @@ class FlashpointCallback(Callback):
         while self.io.outcomes:
             self._report(trainer, self.io.outcomes.pop(0))
 
+    def _replication_numbers(self) -> dict[str, float]:
+        """Job-wide replication state at this save (collective: every rank reports the same saves).
+
+        replicated_step: the newest version every rank has pushed to all its peers (-1: none yet);
+        under_replicated_ranks: ranks whose newest finished push left a peer without its copy.
+        """
+        import torch.distributed as dist
+
+        service = getattr(self.io.flashpoint_strategy, "replication", None)
+        if service is None or not service.enabled or not dist.is_initialized():
+            return {}
+        status = service.newest_finished()
+        mine = None if status is None else (status.step, status.state == UNDER_REPLICATED)
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        replicated = [-1 if s is None or s[1] else s[0] for s in everyone]
+        return {"flashpoint/replicated_step": float(min(replicated)),
+                "flashpoint/under_replicated_ranks": float(sum(1 for s in everyone if s is not None and s[1]))}
+
     def _report(self, trainer: Any, outcome: Any) -> None:
         blocking = self._blocking.pop(outcome.step, outcome.staging_s)
         if outcome.error:
@@ -103,6 +124,7 @@ class FlashpointCallback(Callback):
             "flashpoint/bytes": float(outcome.nbytes),
             "flashpoint/gbps": outcome.nbytes / blocking / 1e9 if blocking > 0 else 0.0,
         }
+        numbers.update(self._replication_numbers())
         self.saves.append({"step": outcome.step, **numbers})
         if trainer.logger is not None:
             trainer.logger.log_metrics(numbers, step=trainer.global_step)

@@ -232,6 +232,12 @@ class ReplicationService:
         with self._cv:
             return self._status.get(step, ReplicationStatus(step, UNKNOWN))
 
+    def newest_finished(self) -> ReplicationStatus | None:
+        """The newest version whose pushes ended (replicated or under-replicated); None if none has yet."""
+        with self._cv:
+            done = [st for st in self._status.values() if st.state in (REPLICATED, UNDER_REPLICATED)]
+        return max(done, key=lambda st: st.step, default=None)
+
     def wait(self, step: int, timeout: float) -> ReplicationStatus:
         """Wait (bounded) until step is no longer pending; for tests and tools, never called by a save."""
         deadline = time.monotonic() + timeout

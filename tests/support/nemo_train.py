@@ -21,7 +21,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--base", required=True)
+    parser.add_argument("--base", required=True, help="'{rank}' in it gives each rank its own base: a node each")
     parser.add_argument("--every", type=int, default=2)
     parser.add_argument("--keep", type=int, default=1)
     parser.add_argument("--kill-at", type=int, default=0)
@@ -31,6 +31,7 @@ def main() -> None:
     parser.add_argument("--async-save", action="store_true", help="the strategy's ckpt_async_save (durable and RAM)")
     parser.add_argument("--csv-logger", default=None, help="give the trainer a Lightning CSVLogger writing here")
     args = parser.parse_args()
+    args.base = args.base.replace("{rank}", os.environ.get("RANK", "0"))
     sys.path.insert(0, str(EXAMPLES))
 
     import lightning.pytorch as pl
