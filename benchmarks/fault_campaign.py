@@ -157,7 +157,8 @@ class Campaign:
                     flashpoint: bool = True) -> tuple[int | None, float]:
         """Run both ranks once; returns (worst exit code, seconds), code None when it hung."""
         params = {"bases": [str(b) for b in bases], "durable": str(run_dir / "durable"), "run_dir": str(run_dir),
-                  "steps": STEPS, "incarnation": incarnation, "fault": fault, "flashpoint": flashpoint}
+                  "steps": STEPS, "incarnation": incarnation, "fault": fault, "flashpoint": flashpoint,
+                  "stack_dump_after_s": max(1.0, self.args.timeout - 15)}
         started = time.monotonic()
         try:
             code = launch_ranks(RANK_SCRIPT, [json.dumps(params)], nproc=NPROC, timeout=self.args.timeout,

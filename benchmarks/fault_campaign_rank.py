@@ -19,6 +19,7 @@ SIGKILL at a random time; a full tmpfs (a ballast file); a Manager whose process
 
 from __future__ import annotations
 
+import faulthandler
 import hashlib
 import json
 import logging
@@ -249,9 +250,12 @@ def finalize(queue: AsyncCallsQueue, blocking: bool) -> list[str]:
     """Finalize finished saves (blocking: all of them); a failed flashpoint save is reported, training goes on."""
     failures = []
     while queue.get_num_unfinalized_calls():
+        pending = queue.get_num_unfinalized_calls()
         try:
             queue.maybe_finalize_async_calls(blocking=blocking)
         except Exception as exc:  # noqa: BLE001 - the contract: a failed RAM save never stops training
+            if queue.get_num_unfinalized_calls() == pending:
+                raise  # not a failed save but a failed collective (a peer is gone): the job is broken
             print(f"SAVE FAILED: {type(exc).__name__}: {exc}", flush=True)
             failures.append(str(exc))
             continue  # the failed call is off the queue; later ones may be done too
@@ -263,6 +267,7 @@ def finalize(queue: AsyncCallsQueue, blocking: bool) -> list[str]:
 def main() -> None:
     global CURRENT_STEP
     p = json.loads(sys.argv[1])
+    faulthandler.dump_traceback_later(p.get("stack_dump_after_s", 100.0), exit=False)  # where a hang hangs, in the log
     logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(levelname)s %(name)s: %(message)s")
     dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
     rank = dist.get_rank()
