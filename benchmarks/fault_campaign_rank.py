@@ -164,19 +164,21 @@ def die(where: str) -> None:
 
 def wrap(owner: Any, name: str, fault: dict[str, Any], action: Callable[[], None] | None = None,
          step_of: Callable[..., int] = lambda *args: CURRENT_STEP) -> None:
-    """Make owner.name run the fault (default: die) before or after itself at the fault's step.
+    """Make owner.name run the fault (default: die) before or after its first call at or past the fault's step.
 
     step_of(*args) says which step a call works on: by default the step being saved; a
     replication push runs later, in its own thread, and names its step in its arguments.
+    "At or past": replication pushes only the newest version, so the fault's own step may be
+    skipped when a newer save supersedes it; the fault then hits the next push instead.
     """
     original = getattr(owner, name)
     first_only = [True]
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        fire = step_of(*args) == fault["step"] and first_only[0]
+        fire = first_only[0] and step_of(*args) >= fault["step"]
         if fire:
             first_only[0] = False
-        hit = action or (lambda: die(f"{fault['when']} {owner.__name__}.{name}"))
+        hit = action or (lambda: die(f"{fault['when']} {owner.__name__}.{name} of step {step_of(*args)}"))
         if fire and fault["when"] == "before":
             hit()
         result = original(*args, **kwargs)
