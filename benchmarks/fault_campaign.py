@@ -144,6 +144,14 @@ def unmount(path: Path) -> None:
         subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
 
+def log_tails(run_dir: Path, lines: int = 25) -> dict[str, list[str]]:
+    """The last lines of every rank log of the newest incarnation: a problem run explains itself in CI output."""
+    logs = sorted(run_dir.glob("logs-inc*"))
+    if not logs:
+        return {}
+    return {log.name: log.read_text(errors="replace").splitlines()[-lines:] for log in sorted(logs[-1].iterdir())}
+
+
 class Campaign:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -192,6 +200,7 @@ class Campaign:
             record = self._judge(index, fault, run_dir, bases, reference)
             if record["outcome"] in ("wrong_load", "hang", "error"):
                 record["ram_files"] = ram_listing(ram)
+                record["log_tails"] = log_tails(run_dir)
             return record
         finally:
             if mounted:

@@ -64,6 +64,12 @@ def test_cached_plan_is_dropped_when_one_rank_changes_structure(base_dir):
     run("plan_reused_only_while_structure_is_unchanged", 2, base=base_dir)
 
 
+@pytest.mark.parametrize("mode", ["temporal", "persistent"])
+def test_overlapping_async_saves_each_find_their_own_worker_report(base_dir, mode):
+    run("overlapping_saves_each_get_their_report", 2, base=base_dir, mode=mode)
+    assert committed_steps(CheckpointLayout(base_dir))[-1] == 3
+
+
 def node_bases(tmp_path, nodes: int) -> list[str]:
     return [str(tmp_path / f"node-{n}") for n in range(nodes)]
 

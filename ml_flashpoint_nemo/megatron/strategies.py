@@ -21,7 +21,6 @@ import functools
 import json
 import logging
 import os
-import queue as queue_module
 import threading
 from pathlib import Path
 from typing import Any
@@ -69,7 +68,7 @@ from ml_flashpoint_nemo.core.manager import (
     unguarded_main_script,
     wait_for_manager,
 )
-from ml_flashpoint_nemo.core.saver import SealJob, StagedObject, seal_object
+from ml_flashpoint_nemo.core.saver import StagedObject
 from ml_flashpoint_nemo.core.topology import NodeTopology, discover_nodes, node_identity, problems_of_every_rank
 from ml_flashpoint_nemo.core.tuning import default_copy_threads
 from ml_flashpoint_nemo.core.version_files import (
@@ -83,6 +82,7 @@ from ml_flashpoint_nemo.dcp.reader import MemoryStorageReader
 from ml_flashpoint_nemo.dcp.storage_info import FlashpointStorageInfo
 from ml_flashpoint_nemo.dcp.writer import MemoryStorageWriter, release_process_savers, resolve_write_items
 from ml_flashpoint_nemo.errors import CorruptCheckpointError, FlashpointError, ManagerStartError
+from ml_flashpoint_nemo.megatron.worker_reports import WorkerReports, seal_and_report
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +181,7 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         self.checksum = checksum
         self.threads = threads or default_copy_threads()
         self.manager_future = manager_future
-        self._report_queue: Any = None
+        self._reports: WorkerReports | None = None
         _warn_if_main_unguarded()
         self._signature: int | None = None
         self._cached_plans: tuple[Any, Any, bool] | None = None
@@ -203,10 +203,10 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return not bool(flag.item())
 
-    def _report_queue_agreed_by_all_ranks(self) -> Any:
-        """The queue for background-write outcomes; at the first save, all ranks agree the Manager runs."""
-        if self._report_queue is not None:
-            return self._report_queue
+    def _reports_agreed_by_all_ranks(self) -> WorkerReports:
+        """Background-write outcomes (a Manager queue); at the first save, all ranks agree the Manager runs."""
+        if self._reports is not None:
+            return self._reports
         if self.manager_future is None:
             self.manager_future = start_manager_warmup()
         error, queue = None, None
@@ -217,12 +217,12 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         failed = problems_of_every_rank(error)
         if failed:
             raise ManagerStartError("the flashpoint save cannot start: " + "; ".join(failed))
-        self._report_queue = queue
-        return queue
+        self._reports = WorkerReports(queue)
+        return self._reports
 
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path) -> AsyncRequest:
         lifecycle.register(self, FlashpointSaveStrategy.close)  # it now holds the Manager and replication
-        report_queue = self._report_queue_agreed_by_all_ranks()
+        reports = self._reports_agreed_by_all_ranks()
         # Only main replicas are written (as Megatron's torch_dist does): replicated tensors once per job.
         sharded_state_dict, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, True)
         writer = _StagingWriter(checkpoint_dir, keep=self.keep, checksum=self.checksum, threads=self.threads)
@@ -250,13 +250,14 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
             global_metadata = self._cached_metadata  # the coordinator's, from the planning save
 
         def finalize() -> None:
-            _finalize_save(writer, global_metadata, report_queue)
+            _finalize_save(writer, global_metadata, reports)
             nodes.copy_version_to_every_node(writer.layout, writer.step)
             replication.replicate(writer.step)  # in the background, never blocks training
 
         if writer.staged is None:  # staging failed: nothing to write, finalize reports it on every rank
             return AsyncRequest(None, (), [finalize])
-        return AsyncRequest(seal_and_report, (writer.staged.seal_job, self.threads, report_queue), [finalize])
+        token = writer.save_id  # unique to this save; the object's path is not (pool buffers are reused)
+        return AsyncRequest(seal_and_report, (writer.staged.seal_job, self.threads, reports.queue, token), [finalize])
 
     def _replication_service(self, base_dir: Path, topology: NodeTopology) -> Any:
         """The replication service, started (collectively, on several nodes) at the first save."""
@@ -283,7 +284,7 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         with self._close_lock:  # each resource is taken by exactly one closer
             replication, self._replication = self._replication, None
             manager_future, self.manager_future = self.manager_future, None
-            self._report_queue = None
+            self._reports = None
         release_process_savers()
         if replication is not None:  # stop the push thread and the transfer server
             replication.close()
@@ -310,35 +311,6 @@ def _describe(value: Any) -> tuple:
                 str(value.flattened_range))
     return (type(value).__name__, getattr(value, "key", None), str(getattr(value, "global_shape", None)),
             str(getattr(value, "global_offset", None)), str(getattr(value, "replica_id", None)))
-
-
-def seal_and_report(job: SealJob, threads: int, report_queue: Any) -> None:
-    """The AsyncRequest's function: seal the staged object, then report the outcome; never raises.
-
-    Runs in the trainer (sync saves), in a forked worker or in Megatron's persistent
-    spawned worker; the trainer's finalize reads the report.
-    """
-    try:
-        seal_object(job, threads)
-        outcome = None
-    except BaseException as exc:  # noqa: BLE001 - reported to the trainer, raised there on every rank
-        outcome = f"{type(exc).__name__}: {exc}"
-    report_queue.put((job.path, outcome))
-
-
-def _worker_outcome(job: SealJob, report_queue: Any) -> None:
-    """Raise the background write's error, or a clear one if the worker died without reporting."""
-    reports = {}
-    while True:
-        try:
-            path, outcome = report_queue.get_nowait()
-        except queue_module.Empty:
-            break
-        reports[path] = outcome
-    if job.path not in reports:
-        raise FlashpointError("the background write of this rank ended without reporting (was the worker killed?)")
-    if reports[job.path] is not None:
-        raise FlashpointError(f"the background write failed: {reports[job.path]}")
 
 
 class _NodeCopies:
@@ -390,14 +362,14 @@ class _NodeCopies:
             )
 
 
-def _finalize_save(writer: _StagingWriter, global_metadata: Metadata | None, report_queue: Any) -> None:
+def _finalize_save(writer: _StagingWriter, global_metadata: Metadata | None, reports: WorkerReports) -> None:
     """Every rank: place its object; coordinator: commit. Any rank's failure is raised on every rank."""
     error: str | None = None
     results: list[WriteResult] = []
     try:
         if writer.staged is None:
             raise FlashpointError(writer.stage_error or "finalize ran without a staged object; was async_save interrupted?")
-        _worker_outcome(writer.staged.seal_job, report_queue)
+        reports.raise_if_failed(writer.save_id)
         results = writer.place_and_report()
     except Exception as exc:  # noqa: BLE001 - reported to every rank below
         writer.abandon()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,8 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (  # noqa
     FullyParallelSaveStrategyWrapper,
 )
 
+from ml_flashpoint_nemo.core import committed_steps  # noqa: E402
+from ml_flashpoint_nemo.core.layout import CheckpointLayout  # noqa: E402
 from ml_flashpoint_nemo.core.manager import start_manager_warmup  # noqa: E402
 from ml_flashpoint_nemo.core.recovery import choose_version  # noqa: E402
 from ml_flashpoint_nemo.megatron import FlashpointLoadStrategy, FlashpointSaveStrategy  # noqa: E402
@@ -182,6 +185,30 @@ def failed_background_write_fails_every_rank(p: dict[str, Any]) -> None:
     queue.close()
 
 
+def overlapping_saves_each_get_their_report(p: dict[str, Any]) -> None:
+    """Three async saves in flight, all workers done before the first finalize: each finalize finds its report.
+
+    The first finalize reads the later saves' reports from the shared queue too; they must be
+    kept for their own finalize (dropping them failed those saves as "ended without reporting").
+    """
+    queue = AsyncCallsQueue(persistent=p["mode"] == "persistent")
+    strategy = save_strategy(p)
+    for step in (1, 2, 3):
+        request = dist_checkpointing.save(sharded_state(step), version_dir(p["base"], step),
+                                          sharded_strategy=strategy, async_sharded_save=True)
+        queue.schedule_async_request(request)
+    deadline = time.monotonic() + 60
+    while strategy._reports.queue.qsize() < 3:  # every worker has sealed and reported
+        assert time.monotonic() < deadline, "the background writes did not report within 60 s"
+        time.sleep(0.05)
+    dist.barrier()
+    queue.maybe_finalize_async_calls(blocking=True)  # raises if any of the three saves failed
+    assert committed_steps(CheckpointLayout(p["base"]))[-1] == 3
+    check_loaded(load(p, 3), 3)
+    queue.close()
+    strategy.close()
+
+
 def node_base(p: dict[str, Any]) -> str:
     """Base directory of this rank's "node": ranks_per_node consecutive ranks share one."""
     return p["bases"][dist.get_rank() // p["ranks_per_node"]]
@@ -228,4 +255,5 @@ if __name__ == "__main__":
                                            failed_background_write_fails_every_rank,
                                            manager_failure_fails_first_save_everywhere,
                                            plan_reused_only_while_structure_is_unchanged,
+                                           overlapping_saves_each_get_their_report,
                                            common_state_on_every_node, failed_node_copy_fails_every_rank, choose)})
