@@ -144,6 +144,18 @@ def unmount(path: Path) -> None:
         subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
 
+def fault_fired(fault: dict[str, Any], run_dir: Path, code0: int) -> bool:
+    """The faulted rank logged its fault (a kill at a random time may come after the training ended).
+
+    Without this check, a fault that could not be armed (a renamed hook point) would crash the
+    rank at start and pass for a run that "fell back because nothing was committed".
+    """
+    if fault["kind"] == "manager_fail" or (fault["kind"] == "kill_random" and code0 == 0):
+        return True  # a Manager start failure is the rank's own error; nothing for the harness to print
+    log = run_dir / "logs-inc0" / f"rank-{fault['rank']}.log"
+    return log.is_file() and "FAULT:" in log.read_text(errors="replace")
+
+
 def log_tails(run_dir: Path, lines: int = 25) -> dict[str, list[str]]:
     """The last lines of every rank log of the newest incarnation: a problem run explains itself in CI output."""
     logs = sorted(run_dir.glob("logs-inc*"))
@@ -223,6 +235,9 @@ class Campaign:
             record["damage"] = damage(fault, bases, self.rng)
         if code0 == 0 and fault["kind"] not in ("manager_fail", "enospc", "kill_random"):
             return dict(record, outcome="error", why="the fault did not stop incarnation 0")
+        if not fault_fired(fault, run_dir, code0):
+            return dict(record, outcome="error", why="the fault never fired (a harness error?); see "
+                                                     f"{run_dir}/logs-inc0/rank-{fault['rank']}.log")
         code1, seconds1 = self.incarnation(run_dir, bases, 1, None)
         record["incarnation1"] = {"exit": code1, "seconds": round(seconds1, 2)}
         if code1 is None:

@@ -197,14 +197,14 @@ def push_step(service: Any, address: Any, step: int, *rest: Any) -> int:
 def install_fault(fault: dict[str, Any], p: dict[str, Any], peer_pids: list[int]) -> None:
     """Arm this rank's fault (only the faulted rank calls this)."""
     from ml_flashpoint_nemo.dcp import writer as dcp_writer
-    from ml_flashpoint_nemo.megatron import strategies
+    from ml_flashpoint_nemo.megatron import strategies, worker_reports
     from ml_flashpoint_nemo.replication.service import ReplicationService
 
     kind = fault["kind"]
     if kind == "kill_stage":
         wrap(strategies._StagingWriter, "_stage", fault)
     elif kind == "kill_write":
-        wrap(strategies, "seal_object", fault)
+        wrap(worker_reports, "seal_object", fault)
     elif kind == "kill_commit":
         wrap(dcp_writer, "write_commit", fault)
     elif kind == "kill_node_copy":
