@@ -32,6 +32,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -156,7 +157,7 @@ def fault_fired(fault: dict[str, Any], run_dir: Path, code0: int) -> bool:
     return log.is_file() and "FAULT:" in log.read_text(errors="replace")
 
 
-def log_tails(run_dir: Path, lines: int = 25) -> dict[str, list[str]]:
+def log_tails(run_dir: Path, lines: int = 60) -> dict[str, list[str]]:
     """The last lines of every rank log of the newest incarnation: a problem run explains itself in CI output."""
     logs = sorted(run_dir.glob("logs-inc*"))
     if not logs:
@@ -182,7 +183,8 @@ class Campaign:
         started = time.monotonic()
         try:
             code = launch_ranks(RANK_SCRIPT, [json.dumps(params)], nproc=NPROC, timeout=self.args.timeout,
-                                env=self.env, log_dir=run_dir / f"logs-inc{incarnation}", stop_on_failure=True)
+                                env=self.env, log_dir=run_dir / f"logs-inc{incarnation}", stop_on_failure=True,
+                                stack_signal=signal.SIGUSR1)
         except TimeoutError:
             code = None
         return code, time.monotonic() - started

@@ -270,6 +270,8 @@ def main() -> None:
     global CURRENT_STEP
     p = json.loads(sys.argv[1])
     faulthandler.dump_traceback_later(p.get("stack_dump_after_s", 100.0), exit=False)  # where a hang hangs, in the log
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the harness asks before it kills a stuck rank;
+    # forked async-save workers inherit this, so a stuck worker prints its stack too
     logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(levelname)s %(name)s: %(message)s")
     dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
     rank = dist.get_rank()

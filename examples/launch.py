@@ -22,7 +22,7 @@ def free_port() -> int:
 
 def launch_ranks(script: str, argv: Sequence[str], nproc: int = 2, timeout: float = 600.0,
                  env: dict[str, str] | None = None, log_dir: str | os.PathLike[str] | None = None,
-                 stop_on_failure: bool = False) -> int:
+                 stop_on_failure: bool = False, stack_signal: int | None = None) -> int:
     """Run `script argv` as nproc ranks (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT set).
 
     Returns the worst exit code: negative if a rank was killed by a signal (-9 for SIGKILL);
@@ -32,6 +32,9 @@ def launch_ranks(script: str, argv: Sequence[str], nproc: int = 2, timeout: floa
     a SIGKILLed rank (e.g. the Manager Megatron's own async writer spawns) do not outlive it.
     With stop_on_failure, the first rank that fails ends the others at once, as an elastic
     launcher stops a worker group (their codes then do not count).
+    With stack_signal, ranks still running when they are ended (a failure or the timeout)
+    first get that signal, with their helper processes, and 2 s to print their stacks
+    (a rank that called faulthandler.register(stack_signal, all_threads=True) does).
     """
     port = free_port()
     procs = []
@@ -59,6 +62,8 @@ def launch_ranks(script: str, argv: Sequence[str], nproc: int = 2, timeout: floa
                 raise TimeoutError(f"{script} did not finish within {timeout:.0f} s; its ranks were killed")
             time.sleep(0.05)
     finally:
+        if stack_signal is not None and _signal_running(procs, stack_signal):
+            time.sleep(2.0)
         for proc in procs:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -67,3 +72,16 @@ def launch_ranks(script: str, argv: Sequence[str], nproc: int = 2, timeout: floa
             proc.wait()
     finished = [code for code in codes if code is not None]
     return min(finished) if min(finished) < 0 else max(finished)
+
+
+def _signal_running(procs: Sequence[subprocess.Popen], signum: int) -> bool:
+    """Send signum to the session of every rank still running; True if there was one."""
+    sent = False
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signum)
+                sent = True
+            except ProcessLookupError:
+                pass
+    return sent
