@@ -15,33 +15,48 @@ from pathlib import Path
 
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.topology import problems_of_every_rank
-from ml_flashpoint_nemo.core.versions import committed_steps
-from ml_flashpoint_nemo.errors import OutOfSpaceError
+from ml_flashpoint_nemo.core.version_files import FILES_KEY
+from ml_flashpoint_nemo.core.versions import committed_steps, read_commit
+from ml_flashpoint_nemo.errors import CorruptCheckpointError, OutOfSpaceError
 
 MIN_FREE_BYTES = 4 << 20  # room for a first save's common state and metadata, whose size is not known yet
 
 
 def bytes_needed(layout: CheckpointLayout) -> int:
-    """Twice the version-level files of the newest committed version (they grow little), at least MIN_FREE_BYTES."""
+    """Twice the version-level files of the newest committed version (they grow little), at least MIN_FREE_BYTES.
+
+    Counts the files its commit record lists and the record itself, never the directory: peers'
+    replicas arrive there as temporary files at any time, and a version may be deleted meanwhile.
+    A record that cannot be read (damaged, or just retired) leaves the minimum: a damaged old
+    version must not stop every later save.
+    """
     steps = committed_steps(layout)
     if not steps:
         return MIN_FREE_BYTES
-    directory = layout.version_dir(steps[-1])
-    small = 0
-    for entry in os.scandir(directory) if directory.is_dir() else ():
-        if entry.is_file() and not entry.name.endswith(".fpo"):
-            small += entry.stat().st_size
+    try:
+        record = read_commit(layout, steps[-1])
+        small = layout.commit_path(steps[-1]).stat().st_size
+    except (OSError, CorruptCheckpointError):
+        return MIN_FREE_BYTES
+    small += sum(int(entry["nbytes"]) for entry in record.metadata.get(FILES_KEY, {}).values())
     return max(MIN_FREE_BYTES, 2 * small)
 
 
 def room_problem(base_dir: str | os.PathLike[str]) -> str | None:
-    """Why this rank's node cannot take the next version's small files (None: it can)."""
-    layout = CheckpointLayout(base_dir)
-    needed = bytes_needed(layout)
+    """Why this rank's node cannot take the next version's small files (None: it can); never raises.
+
+    Every rank must reach the collective that follows, so a failure to check is a problem to
+    report, not an exception. Before the first save the base may not exist yet: the file system
+    that will hold it is checked.
+    """
     try:
-        vfs = os.statvfs(Path(base_dir))
-    except OSError as exc:
-        return f"cannot check free space in {base_dir}: {exc}"
+        needed = bytes_needed(CheckpointLayout(base_dir))
+        existing = Path(base_dir).absolute()
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        vfs = os.statvfs(existing)
+    except Exception as exc:  # noqa: BLE001 - returned to every rank by the caller's collective
+        return f"cannot check free space in {base_dir}: {type(exc).__name__}: {exc}"
     free = vfs.f_bavail * vfs.f_frsize
     if free < needed:
         return f"{base_dir} has {free} bytes free, the save needs at least {needed}"
@@ -57,6 +72,7 @@ def check_room_on_every_rank(base_dir: str | os.PathLike[str]) -> None:
     failed = problems_of_every_rank(room_problem(base_dir))
     if failed:
         raise OutOfSpaceError(
-            "flashpoint save skipped, the tmpfs is full: " + "; ".join(failed)
-            + ". Free memory on that node (other jobs' files in /dev/shm?), lower `keep`, or give the tmpfs more room."
+            "flashpoint save skipped on every rank: " + "; ".join(failed)
+            + ". If a tmpfs is full: free memory on that node (other jobs' files in /dev/shm?), lower `keep`, "
+            "or give the tmpfs more room."
         )
