@@ -52,6 +52,12 @@ def test_failed_background_write_fails_every_rank_and_keeps_previous(base_dir):
     assert committed_steps(CheckpointLayout(base_dir)) == [1]
 
 
+def test_closing_the_nemo_io_commits_the_save_queued_behind_a_failed_one(base_dir):
+    for output in run("close_commits_the_saves_after_a_failed_one", 2, base=base_dir):
+        assert "OUTCOMES 1:failed 2:ok" in output, output
+        assert "COMMITTED [2]" in output, output
+
+
 @pytest.mark.parametrize("hook, timeout", [("fail", None), ("hang", 5)])
 def test_manager_failure_on_one_rank_fails_the_first_save_on_every_rank(base_dir, hook, timeout):
     outputs = run("manager_failure_fails_first_save_everywhere", 2, base=base_dir, manager=hook,

@@ -182,17 +182,24 @@ class FlashpointCheckpointIO(AsyncFinalizableCheckpointIO):
         return SaveOutcome(step, staging_s, sum(o.nbytes for o in commit.objects))
 
     def finalize_flashpoint(self, blocking: bool = False) -> bool:
-        """Finalize finished RAM saves (collective). A failed save is logged and reported, never raised:
-        the previous version is intact and training goes on."""
-        if self.flashpoint_queue.get_num_unfinalized_calls() == 0:
-            return False
-        try:
-            return bool(self.flashpoint_queue.maybe_finalize_async_calls(blocking))
-        except FlashpointError as exc:
-            logger.error("Flashpoint save failed, training continues and the previous RAM version is kept: %s", exc)
-            step = self._pending.popleft() if self._pending else -1
-            self.outcomes.append(SaveOutcome(step=step, staging_s=0.0, error=str(exc)))
-            return True
+        """Finalize finished RAM saves (collective); blocking: every save in flight, waiting for them.
+
+        A failed save is logged and reported, never raised: the previous version is intact and
+        training goes on. Megatron stops finalizing at a failed save (it is dropped from the
+        queue first), so the saves after it are finalized by the next round here.
+        """
+        finalized = False
+        while self.flashpoint_queue.get_num_unfinalized_calls():
+            try:
+                finalized = bool(self.flashpoint_queue.maybe_finalize_async_calls(blocking)) or finalized
+                return finalized
+            except FlashpointError as exc:
+                logger.error("Flashpoint save failed, training continues and the previous RAM version is kept: %s",
+                             exc)
+                step = self._pending.popleft() if self._pending else -1
+                self.outcomes.append(SaveOutcome(step=step, staging_s=0.0, error=str(exc)))
+                finalized = True
+        return finalized
 
     # --- AsyncFinalizableCheckpointIO ---------------------------------------------------------
 
@@ -219,10 +226,10 @@ class FlashpointCheckpointIO(AsyncFinalizableCheckpointIO):
         if not self._closing.acquire(blocking=False):
             return
         try:
-            pending = self.flashpoint_queue.get_num_unfinalized_calls()
-            if pending and finalize:
+            if finalize:
                 self.finalize_flashpoint(blocking=True)
-            elif pending:
+            pending = self.flashpoint_queue.get_num_unfinalized_calls()
+            if pending:
                 logger.warning("%d flashpoint save(s) still in flight are dropped; the newest committed RAM version "
                                "is kept", pending)
             stop_async_workers(self.flashpoint_queue)

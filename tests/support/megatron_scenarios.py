@@ -209,6 +209,37 @@ def overlapping_saves_each_get_their_report(p: dict[str, Any]) -> None:
     strategy.close()
 
 
+def close_commits_the_saves_after_a_failed_one(p: dict[str, Any]) -> None:
+    """Two RAM saves in flight through the NeMo checkpoint IO; rank 1's write of the first fails.
+
+    Megatron stops finalizing at the failed save; closing with finalize must still commit the
+    second (it used to kill its worker), and report both outcomes.
+    """
+    from nemo.lightning.io.pl import MegatronCheckpointIO
+
+    from ml_flashpoint_nemo.nemo.checkpoint_io import FLASHPOINT_SAVE, FlashpointCheckpointIO
+    from ml_flashpoint_nemo.nemo.settings import FlashpointSettings
+
+    io = FlashpointCheckpointIO(MegatronCheckpointIO(), FlashpointSettings.create(p["base"], async_save=True,
+                                                                                   parallel_save=False))
+    strategy = io.flashpoint_strategy
+    plain_async_save = strategy.async_save
+
+    def async_save_losing_step_1(sharded_state_dict: Any, checkpoint_dir: Any) -> Any:
+        request = plain_async_save(sharded_state_dict, checkpoint_dir)
+        if dist.get_rank() == 1 and str(checkpoint_dir).endswith("step-1"):
+            os.unlink(request.async_fn_args[0].path)  # a real I/O failure in rank 1's forked worker
+        return request
+
+    strategy.async_save = async_save_losing_step_1  # type: ignore[method-assign]
+    for step in (1, 2):
+        io.save_checkpoint(sharded_state(step), version_dir(p["base"], step), storage_options={FLASHPOINT_SAVE: True})
+    io.close(finalize=True)
+    print("OUTCOMES", " ".join(f"{o.step}:{'failed' if o.error else 'ok'}" for o in io.outcomes))
+    print("COMMITTED", committed_steps(CheckpointLayout(p["base"])))
+    check_loaded(load(p, 2), 2)
+
+
 def node_base(p: dict[str, Any]) -> str:
     """Base directory of this rank's "node": ranks_per_node consecutive ranks share one."""
     return p["bases"][dist.get_rank() // p["ranks_per_node"]]
@@ -256,4 +287,5 @@ if __name__ == "__main__":
                                            manager_failure_fails_first_save_everywhere,
                                            plan_reused_only_while_structure_is_unchanged,
                                            overlapping_saves_each_get_their_report,
-                                           common_state_on_every_node, failed_node_copy_fails_every_rank, choose)})
+                                           common_state_on_every_node, failed_node_copy_fails_every_rank, choose,
+                                           close_commits_the_saves_after_a_failed_one)})
