@@ -10,6 +10,7 @@ buffer, and so an object path, is reused by later saves).
 from __future__ import annotations
 
 import queue as queue_module
+import sys
 from collections import OrderedDict
 from typing import Any
 
@@ -32,7 +33,13 @@ def seal_and_report(job: SealJob, threads: int, report_queue: Any, token: str) -
         outcome = None
     except BaseException as exc:  # noqa: BLE001 - reported to the trainer, raised there on every rank
         outcome = f"{type(exc).__name__}: {exc}"
-    report_queue.put((token, outcome))
+    try:
+        report_queue.put((token, outcome))
+    except Exception as exc:  # noqa: BLE001 - the Manager is gone: finalize reports "ended without reporting"
+        # Raising would end Megatron's persistent worker loop before it signals completion, and its
+        # blocking finalize would then wait forever.
+        print(f"flashpoint: the background write could not report its outcome ({outcome or 'sealed'}): "
+              f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
 
 
 class WorkerReports:
