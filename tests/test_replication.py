@@ -156,6 +156,19 @@ def test_wiped_node_recovers_newest_version_from_peers(shm_dir, nodes, ranks_per
     assert "every copy was lost" in outputs[0] and "fall back to the durable checkpoint" in outputs[0], outputs[0]
 
 
+def weight_offset(base: str, step: int) -> int:
+    """Where rank 1's layer.weight data starts in its object of step."""
+    record = next(o for o in read_commit(CheckpointLayout(base), step).objects if o.name == object_name(1))
+    with open_object(str(Path(base) / f"step-{step}" / object_name(1)), record) as obj:
+        return next(e.offset for e in obj.entries if e.key.startswith("layer.weight"))
+
+
+def flip_bit(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
 def test_corrupt_own_object_is_replaced_by_the_peers_replica(shm_dir):
     """2 nodes x 1 rank, step 2 replicated. A bit flips in node 1's own object: recovery drops that copy,
     fetches node 0's replica, verifies it and resumes from step 2 bit-exactly (not from step 1). With
@@ -166,14 +179,10 @@ def test_corrupt_own_object_is_replaced_by_the_peers_replica(shm_dir):
     own, replica = (Path(b) / "step-2" / object_name(1) for b in (bases[1], bases[0]))
     snapshot = replica.read_bytes()
 
-    record = next(o for o in read_commit(CheckpointLayout(bases[1]), 2).objects if o.name == object_name(1))
-    with open_object(str(own), record) as obj:
-        offset = next(e.offset for e in obj.entries if e.key.startswith("layer.weight"))
+    offset = weight_offset(bases[1], 2)
 
     def flip(path: Path) -> None:
-        data = bytearray(path.read_bytes())
-        data[offset] ^= 0x10  # inside the weight's data
-        path.write_bytes(bytes(data))
+        flip_bit(path, offset)
 
     flip(own)
     outputs = run("restart_load", 2, bases=bases, ranks_per_node=1)
@@ -185,6 +194,22 @@ def test_corrupt_own_object_is_replaced_by_the_peers_replica(shm_dir):
     outputs = run("restart_load", 2, bases=bases, ranks_per_node=1)
     assert all("CHOSEN 1" in out and "LOADED 1 OK" in out for out in outputs), outputs
     assert "fails its CRC32C" in outputs[0] + outputs[1], outputs
+
+
+def test_own_object_of_an_older_version_is_replaced_when_the_newest_is_rejected(shm_dir):
+    """2 nodes x 1 rank, steps 1 and 2 kept and replicated. Node 1's copy of step 2's common state is
+    damaged (step 2 is rejected although all its objects are there) and node 1's own object of step 1
+    is corrupt: recovery must fetch the replica for step 1, not stop at the complete step 2."""
+    bases = bases_for(shm_dir, 2)
+    outputs = run("replicate", 2, bases=bases, ranks_per_node=1, steps=[1, 2], keep=2)
+    assert all("COMMITTED [1, 2]" in out for out in outputs), outputs
+    common = Path(bases[1]) / "step-2" / "common.pt"
+    common.write_bytes(common.read_bytes()[:-1] + b"?")
+    own, replica = (Path(b) / "step-1" / object_name(1) for b in (bases[1], bases[0]))
+    flip_bit(own, weight_offset(bases[1], 1))
+    outputs = run("restart_load", 2, bases=bases, ranks_per_node=1)
+    assert all("CHOSEN 1" in out and "LOADED 1 OK" in out for out in outputs), outputs
+    assert own.read_bytes() == replica.read_bytes()
 
 
 def test_unreachable_peer_leaves_version_under_replicated_then_older_version_is_recovered(shm_dir):

@@ -23,7 +23,7 @@ from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.loader import verify_object_file, verify_version
 from ml_flashpoint_nemo.core.topology import discover_nodes, problems_of_every_rank
 from ml_flashpoint_nemo.core.versions import committed_steps, read_commit
-from ml_flashpoint_nemo.errors import FlashpointError
+from ml_flashpoint_nemo.errors import CorruptCheckpointError, FlashpointError
 
 logger = logging.getLogger(__name__)
 
@@ -70,13 +70,16 @@ def _drop_corrupt_objects_on_every_rank(layout: CheckpointLayout, step: int, ran
         path = layout.object_path(step, record.name)
         try:
             verify_object_file(path, record)
-        except FileNotFoundError:
-            continue
-        except (FlashpointError, OSError) as exc:
+        except CorruptCheckpointError as exc:  # only proven damage: an I/O error may hit the only good copy
             logger.warning("RAM checkpoint step %d: rank %d drops its corrupt object %s to fetch a peer's replica: %s",
                            step, rank, record.name, exc)
-            path.unlink(missing_ok=True)
-            dropped.append(record.name)
+            try:
+                path.unlink(missing_ok=True)
+                dropped.append(record.name)
+            except OSError as unlink_error:  # kept; every rank must still reach the collective below
+                logger.warning("cannot drop %s: %s", path, unlink_error)
+        except (FlashpointError, OSError):
+            continue  # absent or unreadable: reported by _local_problem, left as it is
     return bool(problems_of_every_rank(", ".join(dropped) or None))
 
 
@@ -103,7 +106,7 @@ def choose_version(base_dir: str | os.PathLike[str]) -> RecoveryChoice:
                 and _drop_corrupt_objects_on_every_rank(layout, step, rank):  # a peer may hold a good replica
             from ml_flashpoint_nemo.replication.recovery import fetch_missing_from_peers
 
-            fetch_missing_from_peers(base_dir)  # a peer's replica replaces what was dropped, verified
+            fetch_missing_from_peers(base_dir, only_step=step)  # a peer's replica replaces what was dropped
             found = problems_of_every_rank(_local_problem(layout, step, rank, world_size))
         if not found:
             _log_skipped(skipped, step)

@@ -64,8 +64,14 @@ def _inventory(layout: CheckpointLayout) -> dict[int, tuple[bool, list[str]]]:
     return found
 
 
-def fetch_missing_from_peers(base_dir: str | os.PathLike[str], config: ReplicationConfig | None = None) -> int | None:
-    """Collective: make the newest step possible complete on every node; returns it (None: none can be)."""
+def fetch_missing_from_peers(
+    base_dir: str | os.PathLike[str], config: ReplicationConfig | None = None, *, only_step: int | None = None
+) -> int | None:
+    """Collective: make the newest step possible complete on every node; returns it (None: none can be).
+
+    only_step: consider that step alone (recovery refetching the objects it dropped from a version
+    that is not the newest).
+    """
     config = config or ReplicationConfig()
     layout = CheckpointLayout(base_dir)
     try:
@@ -78,7 +84,7 @@ def fetch_missing_from_peers(base_dir: str | os.PathLike[str], config: Replicati
     if topology.node_count < 2:
         return None
     nodes = [everyone[leader] for leader in topology.leaders]
-    steps = sorted({s for inv in nodes for s, (ok, _) in inv.items() if ok}, reverse=True)
+    steps = sorted({s for inv in nodes for s, (ok, _) in inv.items() if ok and only_step in (None, s)}, reverse=True)
     endpoints: PeerEndpoints | None = None
     try:
         for step in steps:

@@ -42,7 +42,7 @@ def replicate(p: dict[str, Any]) -> None:
     With stop_server_rank / stop_before_step, that rank's transfer server stops before that step
     (a peer that became unreachable); the save must still commit and the status say why.
     """
-    strategy = FlashpointSaveStrategy(replication=_config(p))
+    strategy = FlashpointSaveStrategy(replication=_config(p), keep=p.get("keep", 1))
     mine = dict(p, base=node_base(p))
     for step in p["steps"]:
         if step == p.get("stop_before_step") and strategy._replication is not None:
