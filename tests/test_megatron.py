@@ -9,6 +9,8 @@ import pytest
 from ml_flashpoint_nemo.errors import ChecksumError
 from ml_flashpoint_nemo.core import committed_steps, verify_version
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
+from ml_flashpoint_nemo.core.version_files import MEGATRON_CONFIG_BYTES, MEGATRON_CONFIG_NAME
+from tests.test_cli import flashpoint
 from tests.support.multiproc import run_world
 
 
@@ -44,6 +46,12 @@ def test_megatron_corrupted_object_or_common_state_is_refused(base_dir, file, of
 def test_truncated_metadata_json_of_a_committed_version_is_restored(base_dir):
     outputs = run("interrupted_config_rewrite_is_repaired", 2, base=base_dir)
     assert all("REPAIRED" in out and "RESTORED" in out for out in outputs), outputs
+    # the CLI, which never imports Megatron, repairs it the same way
+    config = base_dir / "step-1" / MEGATRON_CONFIG_NAME
+    config.write_bytes(b"")
+    result = flashpoint("verify", base_dir, 1)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert config.read_bytes() == MEGATRON_CONFIG_BYTES
 
 
 def test_failed_background_write_fails_every_rank_and_keeps_previous(base_dir):

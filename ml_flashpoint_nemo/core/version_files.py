@@ -10,6 +10,7 @@ record last.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -19,7 +20,7 @@ from ml_flashpoint_nemo import _core
 from ml_flashpoint_nemo.core.format import CommitRecord
 from ml_flashpoint_nemo.core.layout import COMMIT_NAME, CheckpointLayout
 from ml_flashpoint_nemo.core.versions import fsync_directory, write_file_atomically
-from ml_flashpoint_nemo.errors import ChecksumError, CorruptCheckpointError
+from ml_flashpoint_nemo.errors import ChecksumError, CorruptCheckpointError, FlashpointError
 
 FILES_KEY = "files"
 logger = logging.getLogger(__name__)
@@ -41,16 +42,18 @@ def describe_files(directory: Path, names: Iterable[str]) -> dict[str, dict[str,
     return described
 
 
+# Megatron's metadata.json of a flashpoint version, byte for byte as megatron.core.dist_checkpointing's
+# save_config writes it (the Megatron adapter's test compares them). Known here, without Megatron, so
+# that the CLI repairs what the trainer repairs.
+MEGATRON_CONFIG_NAME = "metadata.json"
+MEGATRON_CONFIG_BYTES = json.dumps({"sharded_backend": "ml_flashpoint", "sharded_backend_version": 1,
+                                    "common_backend": "torch", "common_backend_version": 1}).encode()
+
 # name -> its only possible content. Megatron rewrites metadata.json in place (truncate, then
 # write) after the save is final, i.e. after our commit; a kill in between leaves it truncated
 # in a committed version. Such a file is rewritten from its known content when that content
 # matches the commit record, instead of the version being lost.
-_REGENERABLE: dict[str, bytes] = {}
-
-
-def register_regenerable_file(name: str, content: bytes) -> None:
-    """Declare the only content a version-level file can have (an adapter calls this at import)."""
-    _REGENERABLE[name] = content
+_REGENERABLE: dict[str, bytes] = {MEGATRON_CONFIG_NAME: MEGATRON_CONFIG_BYTES}
 
 
 def read_checked_file(layout: CheckpointLayout, commit: CommitRecord, name: str) -> bytes:
@@ -62,9 +65,15 @@ def read_checked_file(layout: CheckpointLayout, commit: CommitRecord, name: str)
         data = None
     known = _REGENERABLE.get(name)
     if data != known and known is not None and _matches_record(commit, name, known):
+        state = "missing" if data is None else "damaged"
+        try:
+            write_file_atomically(path.parent, name, known, f"{name} of step {commit.step}")
+        except (OSError, FlashpointError) as exc:  # a read-only base: the version is usable, not repaired
+            logger.warning("%s of committed version %d is %s (interrupted rewrite); its known content is used, but "
+                           "it could not be rewritten: %s", path, commit.step, state, exc)
+            return known
         logger.warning("%s of committed version %d was %s (interrupted rewrite); restored from its known content",
-                       path, commit.step, "missing" if data is None else "damaged")
-        write_file_atomically(path.parent, name, known, f"{name} of step {commit.step}")
+                       path, commit.step, state)
         return known
     if data is None:
         raise CorruptCheckpointError(

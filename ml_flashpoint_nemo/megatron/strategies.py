@@ -16,9 +16,7 @@ complete for dist_checkpointing.load.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import json
 import logging
 import os
 import threading
@@ -73,7 +71,6 @@ from ml_flashpoint_nemo.core.topology import NodeTopology, discover_nodes, node_
 from ml_flashpoint_nemo.core.tuning import default_copy_threads
 from ml_flashpoint_nemo.core.version_files import (
     check_version_files,
-    register_regenerable_file,
     version_copy,
     write_version_copy,
 )
@@ -88,9 +85,6 @@ logger = logging.getLogger(__name__)
 
 BACKEND = "ml_flashpoint"
 VERSION = 1
-# metadata.json as megatron.core.dist_checkpointing.core.save_config writes it for this strategy
-_CONFIG_BYTES = json.dumps(dataclasses.asdict(CheckpointingConfig(BACKEND, VERSION))).encode()
-register_regenerable_file(CONFIG_FNAME, _CONFIG_BYTES)
 
 
 def _split_checkpoint_dir(checkpoint_dir: str | os.PathLike[str]) -> tuple[CheckpointLayout, str]:
@@ -146,7 +140,7 @@ class _StagingWriter(MemoryStorageWriter):
         version_dir = self.layout.version_dir(self.step)
         version_dir.mkdir(parents=True, exist_ok=True)
         # Before the commit, not after. Megatron rewrites the same bytes once the save is final (in place:
-        # a kill during that rewrite is repaired from _CONFIG_BYTES, see register_regenerable_file).
+        # a kill during that rewrite is repaired from its known bytes, see version_files.MEGATRON_CONFIG_BYTES).
         save_config(CheckpointingConfig(BACKEND, VERSION), str(version_dir))
         super().finish(metadata, results)
 

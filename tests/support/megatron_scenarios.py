@@ -27,6 +27,7 @@ from ml_flashpoint_nemo.core import committed_steps  # noqa: E402
 from ml_flashpoint_nemo.core.layout import CheckpointLayout  # noqa: E402
 from ml_flashpoint_nemo.core.manager import start_manager_warmup  # noqa: E402
 from ml_flashpoint_nemo.core.recovery import choose_version  # noqa: E402
+from ml_flashpoint_nemo.core.version_files import MEGATRON_CONFIG_BYTES, MEGATRON_CONFIG_NAME  # noqa: E402
 from ml_flashpoint_nemo.megatron import FlashpointLoadStrategy, FlashpointSaveStrategy  # noqa: E402
 from tests.support import manager_hooks  # noqa: E402
 from tests.support.multiproc import expect_failure, scenario_main  # noqa: E402
@@ -138,8 +139,9 @@ def interrupted_config_rewrite_is_repaired(p: dict[str, Any]) -> None:
     from ml_flashpoint_nemo.megatron.strategies import BACKEND, VERSION
 
     save(p, 1, None)
-    config = Path(p["base"]) / "step-1" / "metadata.json"
+    config = Path(p["base"]) / "step-1" / MEGATRON_CONFIG_NAME
     written = config.read_bytes()
+    assert written == MEGATRON_CONFIG_BYTES, written  # the content flashpoint knows without importing Megatron
     dist.barrier()  # every rank read it before rank 0 truncates it
     if dist.get_rank() == 0:
         config.write_bytes(b"")  # the truncation before Megatron's write
