@@ -190,7 +190,7 @@ def wrap(owner: Any, name: str, fault: dict[str, Any], action: Callable[[], None
 
 
 def push_step(service: Any, address: Any, step: int, *rest: Any) -> int:
-    """The step of a ReplicationService._push_object(address, step, name, ...) call."""
+    """The step of a ReplicationService._push_object(address, step, record) call."""
     return step
 
 

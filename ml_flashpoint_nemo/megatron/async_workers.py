@@ -79,5 +79,6 @@ def _end_process(process: Any, *, kill: bool, grace_s: float) -> int:
     try:
         process.close()  # its sentinel pipe
     except ValueError:
-        logger.warning("Async save worker %s did not exit within %.1f s of SIGKILL", process.pid, 2 * grace_s)
+        asked = "SIGKILL" if kill else "being asked to exit (and SIGKILL after %.1f s)" % grace_s
+        logger.warning("Async save worker %s did not exit within %.1f s of %s", process.pid, 2 * grace_s, asked)
     return int(running)
