@@ -59,6 +59,19 @@ def test_close_live_resources_closes_newest_first_and_forgets_what_is_closed_or_
     assert closed[1:] == ["c", "b", "a"], newest_first
 
 
+def test_resources_registered_first_are_closed_before_the_others():
+    """The NeMo IO registers with first=True: its async-save workers stop before the pools they write into go."""
+    closed: list[str] = []
+    pools = [Resource("old pool", closed)]
+    io = Resource("io", closed)
+    lifecycle.register(io, Resource.close, "io", first=True)  # already registered: no change...
+    lifecycle.unregister(io)
+    lifecycle.register(io, Resource.close, "io", first=True)  # ...until it registers again
+    pools.append(Resource("new pool", closed))
+    lifecycle.close_live_resources()
+    assert closed == ["io", "new pool", "old pool"], closed
+
+
 def test_a_failing_close_is_logged_and_the_others_still_close(caplog):
     closed: list[str] = []
     kept = [Resource("before", closed), Resource("broken", closed, fail=True), Resource("after", closed)]
@@ -141,3 +154,12 @@ def test_unfinalized_async_save_workers_are_stopped_without_a_process_group(base
     assert len(result["workers"]) == 1 and result["stopped"] == 1, result
     assert result["workers_alive"] == [] and not result["marker_written"], result
     assert result["seconds"] < 5 and result["unraisable"] == [], result
+
+
+def test_a_strategy_closes_only_the_pools_of_its_own_bases(base_dir):
+    """A late close (after an abort's time limit) must not take the pools a newer run is saving into."""
+    for result in _results(run_world("lifecycle_scenarios", "close_takes_only_its_own_pools", 2,
+                                     {"base": str(base_dir)})):
+        pools = result["pools_after_first_close"]
+        assert len(pools) == 1 and f"{base_dir}/second" in pools[0], result
+        assert result["live_at_end"] == [], result

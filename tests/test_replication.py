@@ -212,6 +212,15 @@ def test_own_object_of_an_older_version_is_replaced_when_the_newest_is_rejected(
     assert own.read_bytes() == replica.read_bytes()
 
 
+def test_closing_does_not_wait_out_a_push_stuck_in_its_timeouts(shm_dir):
+    """A push that hangs (a peer that accepts but never answers) ends within its I/O timeouts (5 s per try,
+    2 tries here); closing the service, as an abort does, returns within its own 1 s bound."""
+    outputs = run("close_during_a_stuck_push", 2, bases=bases_for(shm_dir, 2), ranks_per_node=1)
+    closed_s = float(re.search(r"^CLOSED in ([\d.]+)s", outputs[0], re.M).group(1))
+    assert closed_s < 3, outputs[0]
+    assert "the replication thread is still in a push" in outputs[0], outputs[0]
+
+
 def test_unreachable_peer_leaves_version_under_replicated_then_older_version_is_recovered(shm_dir):
     """4 nodes x 1 rank. Rank 1's server stops before step 3: rank 0 cannot copy steps 3 and 4 anywhere.
 
@@ -231,6 +240,8 @@ def test_unreachable_peer_leaves_version_under_replicated_then_older_version_is_
     assert "is under-replicated" in outputs[0]
     assert all(float(t) < 30 for t in re.findall(r"^SAVED [34] in ([\d.]+)s", outputs[0], re.M))
     assert all("COMMITTED [2, 3, 4]" in out for out in outputs), outputs  # step 2 kept while 3, 4 unreplicated
+    assert "PROGRESS newest=2 failed=True" in outputs[0], outputs[0]  # what the trainer's metrics report
+    assert all("PROGRESS newest=4 failed=False" in out for out in outputs[1:]), outputs
     shutil.rmtree(bases[0])
     outputs = run("restart_load", 4, bases=bases, ranks_per_node=1)
     assert all("CHOSEN 2" in out and "LOADED 2 OK" in out for out in outputs), outputs

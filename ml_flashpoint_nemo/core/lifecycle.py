@@ -35,6 +35,7 @@ class _Entry:
     ref: "weakref.ref[Any]"
     close: Callable[[Any], object]
     what: str
+    first: bool = False  # closed before every resource registered without it
 
 
 # An RLock: a garbage collection inside a locked section may run a weakref callback of this module.
@@ -43,11 +44,12 @@ _order = itertools.count()
 _entries: dict[int, _Entry] = {}  # registration number -> entry; iterate over list() copies only
 
 
-def register(resource: T, close: Callable[[T], object], what: str | None = None) -> None:
+def register(resource: T, close: Callable[[T], object], what: str | None = None, *, first: bool = False) -> None:
     """Track `resource` until it is unregistered or garbage-collected; registering it again changes nothing.
 
     `close(resource)` must be idempotent, must not run collectives, and must be safe to call from
     another thread than the one using the resource (an abort runs in NVRx's monitor thread).
+    first: close it before the others whatever its age (what stops writers before their buffers go).
     """
     with _lock:
         if any(entry.ref() is resource for entry in list(_entries.values())):
@@ -57,7 +59,7 @@ def register(resource: T, close: Callable[[T], object], what: str | None = None)
         def forget(_: object, key: int = key) -> None:
             _entries.pop(key, None)  # atomic; no lock, since a collection can run this anywhere
 
-        _entries[key] = _Entry(weakref.ref(resource, forget), close, what or _describe(resource))
+        _entries[key] = _Entry(weakref.ref(resource, forget), close, what or _describe(resource), first)
 
 
 def unregister(resource: object) -> None:
@@ -93,7 +95,8 @@ class CloseReport:
 
 
 def close_live_resources(timeout: float = DEFAULT_CLOSE_TIMEOUT_S) -> CloseReport:
-    """Close every registered resource, newest first; never raises, returns within about `timeout` s.
+    """Close every registered resource, those registered `first` first, each group newest first; never raises,
+    returns within about `timeout` s.
 
     Each resource is claimed (unregistered) before it is closed, so two concurrent calls never
     close the same one twice. A close that raises is logged with its reason and the rest go on;
@@ -102,7 +105,7 @@ def close_live_resources(timeout: float = DEFAULT_CLOSE_TIMEOUT_S) -> CloseRepor
     """
     started = time.monotonic()
     with _lock:
-        claimed = [entry for _, entry in sorted(list(_entries.items()), reverse=True)]
+        claimed = [entry for _, entry in sorted(list(_entries.items()), key=lambda kv: (not kv[1].first, -kv[0]))]
         _entries.clear()
     claimed = [entry for entry in claimed if entry.ref() is not None]
     closed: list[str] = []

@@ -14,7 +14,7 @@ import os
 import pickle
 import threading
 import uuid
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
@@ -200,21 +200,21 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
 # writer for every save into the same background process; they must share the pool
 # (a second pool for the same rank is refused) and its warm buffers.
 _SAVERS: dict[tuple[str, int], CheckpointSaver] = {}
+_SAVERS_LOCK = threading.Lock()  # the trainer's thread and the pool warm-up thread may both ask
 
 
-def release_process_savers() -> None:
-    """Close every saver this process holds (their pools' mappings and locks); versions stay on the tmpfs.
+def release_process_savers(base_dirs: Iterable[str | os.PathLike[str]] | None = None) -> None:
+    """Close the savers this process holds for base_dirs (None: all): their pools' mappings and locks.
 
-    Safe from several threads at once (an abort and a teardown): each saver is taken by one of them.
+    The versions stay on the tmpfs. Safe from several threads at once (an abort and a teardown):
+    each saver is taken by one of them.
     """
+    wanted = None if base_dirs is None else {str(CheckpointLayout(b).base_dir) for b in base_dirs}
     with _SAVERS_LOCK:
-        savers = list(_SAVERS.values())
-        _SAVERS.clear()
+        keys = [key for key in _SAVERS if wanted is None or key[0] in wanted]
+        savers = [_SAVERS.pop(key) for key in keys]
     for saver in savers:
         saver.close()
-
-
-_SAVERS_LOCK = threading.Lock()  # the trainer's thread and the pool warm-up thread may both ask
 
 
 def _process_saver(layout: CheckpointLayout, rank: int) -> CheckpointSaver:

@@ -182,6 +182,7 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         self._cached_metadata: Metadata | None = None
         self._nodes: _NodeCopies | None = None
         self._close_lock = threading.Lock()
+        self._base_dirs: set[Path] = set()  # whose buffer pools this strategy's saves opened in this process
 
     def _structure_unchanged_on_every_rank(self, sharded_state_dict: ShardedStateDict, base_dir: Path) -> bool:
         """True when no rank's keys, shapes, dtypes, sharding or base directory changed since the last save.
@@ -220,6 +221,7 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         # Only main replicas are written (as Megatron's torch_dist does): replicated tensors once per job.
         sharded_state_dict, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, True)
         writer = _StagingWriter(checkpoint_dir, keep=self.keep, checksum=self.checksum, threads=self.threads)
+        self._base_dirs.add(writer.layout.base_dir)
         reuse_plan = self._structure_unchanged_on_every_rank(sharded_state_dict, writer.layout.base_dir)
         if not reuse_plan or self._nodes is None:
             self._nodes = _NodeCopies.discover(writer.layout.base_dir, self._nodes)
@@ -273,13 +275,15 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
     def close(self) -> None:
         """Release this process's buffer pools of the bases saved to (RAM versions stay) and the Manager.
 
-        No collective; safe from another thread (an abort), and any number of times.
+        No collective; safe from another thread (an abort), and any number of times. Only the
+        pools of its own bases, once: a late close must not take the pools of a newer run.
         """
         with self._close_lock:  # each resource is taken by exactly one closer
             replication, self._replication = self._replication, None
             manager_future, self.manager_future = self.manager_future, None
+            base_dirs, self._base_dirs = self._base_dirs, set()
             self._reports = None
-        release_process_savers()
+        release_process_savers(base_dirs)
         if replication is not None:  # stop the push thread and the transfer server
             replication.close()
         shutdown_manager(manager_future)

@@ -20,7 +20,6 @@ from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from ml_flashpoint_nemo.nemo.settings import FlashpointSettings, checked_options
-from ml_flashpoint_nemo.replication.service import UNDER_REPLICATED
 
 logger = logging.getLogger(__name__)
 
@@ -97,20 +96,19 @@ class FlashpointCallback(Callback):
         """Job-wide replication state at this save (collective: every rank reports the same saves).
 
         replicated_step: the newest version every rank has pushed to all its peers (-1: none yet);
-        under_replicated_ranks: ranks whose newest finished push left a peer without its copy.
+        under_replicated_ranks: ranks with a failed push newer than their newest replicated version
+        (a version skipped for a newer one is not a failure).
         """
         import torch.distributed as dist
 
         service = getattr(self.io.flashpoint_strategy, "replication", None)
         if service is None or not service.enabled or not dist.is_initialized():
             return {}
-        status = service.newest_finished()
-        mine = None if status is None else (status.step, status.state == UNDER_REPLICATED)
         everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        replicated = [-1 if s is None or s[1] else s[0] for s in everyone]
+        dist.all_gather_object(everyone, service.progress())
+        replicated = [-1 if newest is None else newest for newest, _ in everyone]
         return {"flashpoint/replicated_step": float(min(replicated)),
-                "flashpoint/under_replicated_ranks": float(sum(1 for s in everyone if s is not None and s[1]))}
+                "flashpoint/under_replicated_ranks": float(sum(1 for _, failed in everyone if failed))}
 
     def _report(self, trainer: Any, outcome: Any) -> None:
         blocking = self._blocking.pop(outcome.step, outcome.staging_s)

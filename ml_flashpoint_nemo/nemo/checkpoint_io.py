@@ -34,6 +34,7 @@ from ml_flashpoint_nemo.core.manager import ManagerFuture
 from ml_flashpoint_nemo.core.space import check_room_on_every_rank
 from ml_flashpoint_nemo.core.versions import read_commit, retire_version
 from ml_flashpoint_nemo.dcp.storage_info import step_of_checkpoint_id
+from ml_flashpoint_nemo.dcp.writer import release_process_savers
 from ml_flashpoint_nemo.errors import BaseDirError, FlashpointError, OutOfSpaceError, TrainerSetupError
 from ml_flashpoint_nemo.megatron.async_workers import stop_async_workers
 from ml_flashpoint_nemo.megatron.strategies import FlashpointSaveStrategy
@@ -91,7 +92,8 @@ class FlashpointCheckpointIO(AsyncFinalizableCheckpointIO):
         self._save_strategy: Any = None
         self._validated = False
         self._closing = threading.Lock()
-        lifecycle.register(self, _close_dropping_saves)
+        # first: its workers must be stopped before the pools they write into are released
+        lifecycle.register(self, _close_dropping_saves, first=True)
 
     # --- routing ------------------------------------------------------------------------------
 
@@ -168,7 +170,7 @@ class FlashpointCheckpointIO(AsyncFinalizableCheckpointIO):
             return
         request.add_finalize_fn(lambda: self.outcomes.append(self._outcome(self._pending.popleft(), blocking)))
         self._pending.append(step)
-        lifecycle.register(self, _close_dropping_saves)  # again, in case it was closed and is used once more
+        lifecycle.register(self, _close_dropping_saves, first=True)  # again, in case it was closed and is used once more
         self.flashpoint_queue.schedule_async_request(request)
 
     @property
@@ -235,6 +237,7 @@ class FlashpointCheckpointIO(AsyncFinalizableCheckpointIO):
             stop_async_workers(self.flashpoint_queue)
             self._pending.clear()
             self.flashpoint_strategy.close()
+            release_process_savers([self.layout.base_dir])  # the pool warmed at set-up, saved to or not
             lifecycle.unregister(self)
         finally:
             self._closing.release()

@@ -18,12 +18,14 @@ holds on every rank, which `keep_for_next_save` learns with one all_gather_objec
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import socket
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,10 +44,12 @@ logger = logging.getLogger(__name__)
 
 HOST_ENV = "FLASHPOINT_REPLICATION_HOST"
 SECRET_BYTES = 32
+DEFAULT_CLOSE_WAIT_S = 10.0  # how long close() waits for a push in progress
 
 PENDING = "pending"
 REPLICATED = "replicated"
 UNDER_REPLICATED = "under-replicated"
+SKIPPED = "skipped"  # a newer version was committed before this one's push began: never pushed, nothing failed
 UNKNOWN = "unknown"
 OFF = "off"
 
@@ -150,6 +154,19 @@ def _say_off_once(reason: str) -> None:
         logger.info("RAM checkpoint replication is off: %s", reason)
 
 
+# Services whose push thread may still run. A daemon thread that is inside the transfer extension when
+# the interpreter finalizes is ended by an unwind through C++ frames, which aborts the process (SIGABRT
+# at exit); so the exit first closes them and waits for pushes in progress to end (within their I/O
+# timeouts). Weak: a closed and dropped service is not kept alive by this.
+_RUNNING: "weakref.WeakSet[ReplicationService]" = weakref.WeakSet()
+
+
+@atexit.register
+def _finish_pushes_at_exit() -> None:
+    for service in list(_RUNNING):
+        service.close(timeout=None)
+
+
 class ReplicationService:
     """Replicates this rank's objects of each committed version to its peers, in a background thread."""
 
@@ -171,6 +188,7 @@ class ReplicationService:
         if self.enabled:
             self._thread = threading.Thread(target=self._run, name=f"flashpoint-replication-{self.rank}", daemon=True)
             self._thread.start()
+            _RUNNING.add(self)
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -196,14 +214,27 @@ class ReplicationService:
                         effective_factor(config.factor, topology.node_count) - 1, topology.node_count)
         return service
 
-    def close(self) -> None:
-        """Stop the thread (an ongoing push ends within its timeouts) and the server. Idempotent."""
+    def close(self, timeout: float | None = DEFAULT_CLOSE_WAIT_S) -> None:
+        """Stop the push thread and the server. Idempotent; returns within about `timeout` s.
+
+        A push in progress cannot be interrupted; the thread (a daemon) is left to end it within
+        its I/O timeouts rather than holding up an abort. Whatever it still sends is checked by
+        the receiver against the object's checksum, so a buffer reused meanwhile is refused there.
+        """
         with self._cv:
             self._closing = True
             self._cv.notify_all()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():  # kept: the interpreter's exit waits for it (see _finish_pushes_at_exit)
+                logger.warning("Rank %d: the replication thread is still in a push after %.1f s; it ends within its "
+                               "I/O timeout (%.0f s per try) in the background", self.rank, timeout or 0.0,
+                               self.config.io_timeout_s)
+            else:
+                self._thread = None
+        if self._thread is None:
+            _RUNNING.discard(self)
         if self._endpoints is not None:
             self._endpoints.close()
 
@@ -232,11 +263,15 @@ class ReplicationService:
         with self._cv:
             return self._status.get(step, ReplicationStatus(step, UNKNOWN))
 
-    def newest_finished(self) -> ReplicationStatus | None:
-        """The newest version whose pushes ended (replicated or under-replicated); None if none has yet."""
+    def progress(self) -> tuple[int | None, bool]:
+        """(newest step this rank pushed to every peer or None, whether a push of a newer step failed).
+
+        A version skipped because a newer one was committed before its push began is not a failure.
+        """
         with self._cv:
-            done = [st for st in self._status.values() if st.state in (REPLICATED, UNDER_REPLICATED)]
-        return max(done, key=lambda st: st.step, default=None)
+            newest = self._newest_replicated
+            failed = [st.step for st in self._status.values() if st.state == UNDER_REPLICATED]
+        return newest, any(newest is None or step > newest for step in failed)
 
     def wait(self, step: int, timeout: float) -> ReplicationStatus:
         """Wait (bounded) until step is no longer pending; for tests and tools, never called by a save."""
@@ -299,7 +334,7 @@ class ReplicationService:
                 step = max(self._pending)
                 for older in self._pending:
                     if older != step:
-                        self._set(ReplicationStatus(older, UNDER_REPLICATED, {
+                        self._set(ReplicationStatus(older, SKIPPED, {
                             p: f"superseded by step {step} before it was pushed" for p in self.targets}))
                 self._pending.clear()
             status = self._push_version(step)

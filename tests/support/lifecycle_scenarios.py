@@ -57,6 +57,19 @@ def save(strategy: FlashpointSaveStrategy, base: str, step: int) -> None:
     queue.maybe_finalize_async_calls(blocking=True)
 
 
+def close_takes_only_its_own_pools(params: dict[str, Any]) -> None:
+    """Two strategies of one process save to two bases; closing one (twice) leaves the other's pool open."""
+    first, second = FlashpointSaveStrategy(), FlashpointSaveStrategy()
+    save(first, f"{params['base']}/first", 1)
+    save(second, f"{params['base']}/second", 1)
+    first.close()
+    first.close()  # a late second close, as the IO's after an abort's
+    pools = [what for what in live_resources() if what.startswith("buffer pool")]
+    save(second, f"{params['base']}/second", 2)  # its pool was never closed under it
+    second.close()
+    report(pools_after_first_close=pools, live_at_end=live_resources())
+
+
 def abort_while_blocked(params: dict[str, Any]) -> None:
     """Rank 0's main thread waits in an all_reduce while another thread runs FlashpointAbort, as NVRx's monitor
     thread does; then both ranks save and load again in the same processes."""
@@ -134,4 +147,5 @@ def stop_workers(params: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    scenario_main({"abort_while_blocked": abort_while_blocked, "stop_workers": stop_workers})
+    scenario_main({"abort_while_blocked": abort_while_blocked, "stop_workers": stop_workers,
+                   "close_takes_only_its_own_pools": close_takes_only_its_own_pools})

@@ -7,6 +7,7 @@ so the test can assert what was said.
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 import time
 from pathlib import Path
@@ -56,6 +57,8 @@ def replicate(p: dict[str, Any]) -> None:
         print(f"STATUS {step} {status.state} failed={sorted(status.failed_peers)} "
               f"{'; '.join(status.failed_peers.values())}", flush=True)
         dist.barrier()  # every rank's pushes of this step are done before the next save
+    newest, failed = strategy.replication.progress()
+    print(f"PROGRESS newest={newest} failed={failed}", flush=True)
     addresses = strategy._replication.addresses
     print(f"ADDRESSES {addresses}", flush=True)
     print(f"COMMITTED {committed_steps(CheckpointLayout(node_base(p)))}", flush=True)
@@ -74,5 +77,33 @@ def restart_load(p: dict[str, Any]) -> None:
         print(f"LOADED {step} OK", flush=True)
 
 
+def close_during_a_stuck_push(p: dict[str, Any]) -> None:
+    """2 nodes x 1 rank. Rank 1's transfer server is replaced by a socket that never answers, so rank 0's
+    push of step 2 waits in its handshake; closing the service must return within its bound anyway."""
+    strategy = FlashpointSaveStrategy(replication=_config(p))
+    mine = dict(p, base=node_base(p))
+    save(mine, 1, None, strategy)
+    assert strategy.replication.wait(1, timeout=60).state == "replicated"
+    silent = None
+    if dist.get_rank() == 1:
+        host, port = strategy.replication.addresses[1]
+        strategy.replication.server.stop()
+        silent = socket.socket()
+        silent.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        silent.bind((host, port))
+        silent.listen(8)  # connections complete in the backlog and are never served
+    dist.barrier()
+    save(mine, 2, None, strategy)
+    if dist.get_rank() == 0:
+        time.sleep(0.5)  # the push of step 2 is in its handshake
+        started = time.monotonic()
+        strategy.replication.close(timeout=1.0)
+        print(f"CLOSED in {time.monotonic() - started:.2f}s", flush=True)
+    dist.barrier()
+    strategy.close()
+    if silent is not None:
+        silent.close()
+
+
 if __name__ == "__main__":
-    scenario_main({f.__name__: f for f in (replicate, restart_load)})
+    scenario_main({f.__name__: f for f in (replicate, restart_load, close_during_a_stuck_push)})
