@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import queue
 
 import pytest
@@ -18,7 +19,7 @@ MISSING_OBJECT = SealJob(path="/nonexistent/flashpoint-object", rank=0, plan=Non
 
 def test_a_failed_write_is_reported_under_its_token():
     reports = WorkerReports(queue.Queue())
-    seal_and_report(MISSING_OBJECT, 1, reports.queue, "save-a")
+    seal_and_report(MISSING_OBJECT, 1, reports.queue, "save-a", os.getpid())
     with pytest.raises(FlashpointError, match="background write failed: FileNotFoundError"):
         reports.raise_if_failed("save-a")
     with pytest.raises(FlashpointError, match="ended without reporting"):
@@ -30,7 +31,7 @@ def test_a_worker_whose_manager_is_gone_does_not_raise(capfd):
     future = start_manager_warmup()
     report_queue = wait_for_manager(future, timeout=60).Queue()
     shutdown_manager(future)
-    seal_and_report(MISSING_OBJECT, 1, report_queue, "save-a")  # must return
+    seal_and_report(MISSING_OBJECT, 1, report_queue, "save-a", os.getpid())  # must return
     assert "could not report its outcome (FileNotFoundError" in capfd.readouterr().err
 
 

@@ -23,14 +23,12 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import ctypes
 import functools
 import logging
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.spawn as _mp_spawn
 import os
-import signal
 import sys
 import threading
 import time
@@ -40,6 +38,7 @@ from multiprocessing.managers import SyncManager
 from typing import Any, Callable, Iterator
 
 from ml_flashpoint_nemo.core import lifecycle
+from ml_flashpoint_nemo.core.parent_death import tie_to_parent
 from ml_flashpoint_nemo.errors import ManagerStartError
 
 logger = logging.getLogger(__name__)
@@ -47,8 +46,6 @@ logger = logging.getLogger(__name__)
 TIMEOUT_ENV = "FLASHPOINT_MANAGER_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 120.0
 
-_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
-_WATCHDOG_POLL_S = 0.5
 _FIND_CHILD_S = 2.0  # how long an abandon waits for a starting thread to reveal its child's pid
 _REAP_S = 5.0
 _SETTLE_S = 5.0  # bound on waiting for a future that another thread is completing right now
@@ -392,43 +389,8 @@ def _skip_main_for_our_thread(original: Callable[[str], dict[str, Any]]) -> Call
 def _server_init(parent_pid: int, server_hook: Callable[[], Any] | None) -> None:
     """Runs in the Manager's server process before it serves: tie its life to `parent_pid`.
 
-    PR_SET_PDEATHSIG(SIGKILL) covers every way the parent can die, SIGKILL included (the
-    launching thread stays alive for that, see :func:`_stay_until_exit`). A watchdog
-    thread backs it up, and covers non-Linux systems: it exits when the parent's end of
-    the spawn pipe closes (the parent died) or when ``os.getppid()`` changes (we were
-    re-parented).
+    The launching thread stays alive for PR_SET_PDEATHSIG's sake, see :func:`_stay_until_exit`.
     """
-    _set_parent_death_signal()
-    if os.getppid() != parent_pid:  # the parent died before the signal was armed
-        os._exit(1)
-    threading.Thread(
-        target=_watch_parent, args=(parent_pid,), name="flashpoint-manager-watchdog", daemon=True
-    ).start()
+    tie_to_parent(parent_pid, watchdog_name="flashpoint-manager-watchdog")
     if server_hook is not None:
         server_hook()
-
-
-def _set_parent_death_signal() -> None:
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
-            logger.debug("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
-    except (OSError, AttributeError) as exc:
-        logger.debug("prctl(PR_SET_PDEATHSIG) unavailable (%s); relying on the watchdog", exc)
-
-
-def _watch_parent(parent_pid: int) -> None:
-    parent = multiprocessing.parent_process()
-    sentinel = parent.sentinel if parent is not None else None
-    while os.getppid() == parent_pid:
-        if sentinel is None:
-            time.sleep(_WATCHDOG_POLL_S)
-            continue
-        try:
-            if multiprocessing.connection.wait([sentinel], timeout=_WATCHDOG_POLL_S):
-                break  # EOF: the parent's end of the spawn pipe is closed
-        except (OSError, ValueError):
-            sentinel = None
-    os._exit(1)  # nobody is left to shut us down or to use what we serve

@@ -253,7 +253,8 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         if writer.staged is None:  # staging failed: nothing to write, finalize reports it on every rank
             return AsyncRequest(None, (), [finalize])
         token = writer.save_id  # unique to this save; the object's path is not (pool buffers are reused)
-        return AsyncRequest(seal_and_report, (writer.staged.seal_job, self.threads, reports.queue, token), [finalize])
+        return AsyncRequest(seal_and_report, (writer.staged.seal_job, self.threads, reports.queue, token, os.getpid()),
+                            [finalize])
 
     def _replication_service(self, base_dir: Path, topology: NodeTopology) -> Any:
         """The replication service, started (collectively, on several nodes) at the first save."""

@@ -9,11 +9,13 @@ buffer, and so an object path, is reused by later saves).
 
 from __future__ import annotations
 
+import os
 import queue as queue_module
 import sys
 from collections import OrderedDict
 from typing import Any
 
+from ml_flashpoint_nemo.core.parent_death import tie_to_parent
 from ml_flashpoint_nemo.core.saver import SealJob, seal_object
 from ml_flashpoint_nemo.errors import FlashpointError
 
@@ -22,12 +24,16 @@ from ml_flashpoint_nemo.errors import FlashpointError
 MAX_UNCLAIMED_REPORTS = 256
 
 
-def seal_and_report(job: SealJob, threads: int, report_queue: Any, token: str) -> None:
+def seal_and_report(job: SealJob, threads: int, report_queue: Any, token: str, trainer_pid: int) -> None:
     """The AsyncRequest's function: seal the staged object, then report the outcome under token; never raises.
 
     Runs in the trainer (sync saves), in a forked worker or in Megatron's persistent
-    spawned worker; the trainer's finalize reads the report.
+    spawned worker; the trainer's finalize reads the report. A worker process ties its life
+    to the trainer first: Megatron's persistent worker would otherwise outlive a SIGKILLed
+    trainer, holding its memory across an in-job restart.
     """
+    if os.getpid() != trainer_pid:
+        tie_to_parent(trainer_pid, watchdog_name="flashpoint-save-worker-watchdog")
     try:
         seal_object(job, threads)
         outcome = None

@@ -1,0 +1,37 @@
+"""Child process for tests/test_megatron.py: a 1-rank trainer whose async save ran on Megatron's persistent
+worker; prints the worker's pid, then waits to be SIGKILLed (the worker must not outlive it).
+
+Usage: python -m tests.support.persistent_worker_parent BASE_DIR
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))  # examples/cpu_shims.py
+import cpu_shims  # noqa: E402
+
+cpu_shims.install_for_checkpointing()
+
+import torch.distributed as dist  # noqa: E402
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue  # noqa: E402
+
+from ml_flashpoint_nemo.megatron import FlashpointSaveStrategy  # noqa: E402
+from tests.support.megatron_scenarios import save  # noqa: E402
+from tests.support.multiproc import free_port  # noqa: E402
+
+
+def main() -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+    dist.init_process_group("gloo")
+    queue = AsyncCallsQueue(persistent=True)
+    save({"base": sys.argv[1]}, 1, queue, FlashpointSaveStrategy())  # scheduled and finalized: the worker ran it
+    print(f"WORKER PID {queue.persistent_caller.process.pid}", flush=True)
+    time.sleep(600)
+
+
+if __name__ == "__main__":
+    main()
