@@ -59,7 +59,6 @@ if CHILD_FLAG in sys.argv[1:] and CHILD_NEMO_FLAG in sys.argv[1:]:
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import functools  # noqa: E402
-import gc  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
 import shutil  # noqa: E402
@@ -109,6 +108,7 @@ from bench_core import (  # noqa: E402
     zero_,
 )
 from ml_flashpoint_nemo.core import CheckpointSaver, load_version  # noqa: E402
+from ml_flashpoint_nemo.core.gc_pause import gc_paused  # noqa: E402
 from ml_flashpoint_nemo.core.manager import shutdown_manager, start_manager_warmup, wait_for_manager  # noqa: E402
 from ml_flashpoint_nemo.core.tuning import default_copy_threads  # noqa: E402
 from ml_flashpoint_nemo.dcp import MemoryStorageReader, MemoryStorageWriter  # noqa: E402
@@ -196,17 +196,6 @@ def torch_threads(threads: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(previous)
-
-
-@contextlib.contextmanager
-def gc_disabled() -> Iterator[None]:
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 @contextlib.contextmanager
@@ -318,7 +307,7 @@ def bench_async_blocking(
         for _ in range(WARMUP_SAVES):  # the first waits for the Manager; both warm pool buffers and caches
             blocking_save(new_parts())
         gc_on = timed_pass("async_blocking")
-        with gc_disabled():
+        with gc_paused():
             gc_off = timed_pass("async_blocking_gc_off")
         zero_(dest)
         loaded = dist_checkpointing.load(sharded_state_dict(dest), str(base / f"step-{next(steps) - 1}"),

@@ -13,6 +13,7 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 
@@ -60,6 +61,14 @@ def discover_nodes(base_dir: str | os.PathLike[str]) -> NodeTopology:
     identities: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(identities, node_identity(base_dir))
     return NodeTopology.from_identities(identities, dist.get_rank())
+
+
+def any_rank(flag: bool) -> bool:
+    """Collective: whether flag is true on any rank (one small all-reduce; on NCCL a CUDA tensor)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
 
 
 def problems_of_every_rank(problem: str | None) -> list[str]:

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 
 from ml_flashpoint_nemo.core.format import CommitRecord, IndexEntry
+from ml_flashpoint_nemo.core.gc_pause import without_gc
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.loader import open_object, read_object
 from ml_flashpoint_nemo.core.values import dtype_name
@@ -97,6 +98,7 @@ class MemoryStorageReader(StorageReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
 
+    @without_gc
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> "torch.futures.Future[None]":
         commit = self._commit_record()
         records = {o.name: o for o in commit.objects}

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from ml_flashpoint_nemo.core.format import ObjectRecord
+from ml_flashpoint_nemo.core.gc_pause import without_gc
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.saver import CheckpointSaver
 from ml_flashpoint_nemo.core.version_files import FILES_KEY, describe_bytes, describe_files
@@ -122,6 +123,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         self._saver.checksum = self.checksum
         return self._saver
 
+    @without_gc
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> "torch.futures.Future[list[WriteResult]]":
         if self.step is None:
             raise BaseDirError("write_data called before reset(checkpoint_id): pass checkpoint_id to dcp.save")
@@ -138,6 +140,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         future.set_result(results)
         return future
 
+    @without_gc
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         if self.step is None:
             raise BaseDirError("finish called before reset(checkpoint_id)")
@@ -180,6 +183,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
     def should_synchronize_after_execute(self) -> bool:
         return False
 
+    @without_gc
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """One copy of the state into reused host buffers; training may continue after this."""
         return self._staging.stage(state_dict)

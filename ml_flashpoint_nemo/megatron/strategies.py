@@ -23,7 +23,6 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from megatron.core.dist_checkpointing.core import CONFIG_FNAME, CheckpointingConfig, save_config
 from megatron.core.dist_checkpointing.dict_utils import nested_values
@@ -58,6 +57,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ml_flashpoint_nemo.core import lifecycle
+from ml_flashpoint_nemo.core.gc_pause import without_gc
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.manager import (
     ManagerFuture,
@@ -67,7 +67,13 @@ from ml_flashpoint_nemo.core.manager import (
     wait_for_manager,
 )
 from ml_flashpoint_nemo.core.saver import StagedObject
-from ml_flashpoint_nemo.core.topology import NodeTopology, discover_nodes, node_identity, problems_of_every_rank
+from ml_flashpoint_nemo.core.topology import (
+    NodeTopology,
+    any_rank,
+    discover_nodes,
+    node_identity,
+    problems_of_every_rank,
+)
 from ml_flashpoint_nemo.core.tuning import default_copy_threads
 from ml_flashpoint_nemo.core.version_files import (
     check_version_files,
@@ -193,10 +199,7 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         signature = hash((node_identity(base_dir), tuple(_describe(v) for v in nested_values(sharded_state_dict))))
         changed = self._cached_plans is None or signature != self._signature
         self._signature = signature
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-        flag = torch.tensor([int(changed)], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return not bool(flag.item())
+        return not any_rank(changed)
 
     def _reports_agreed_by_all_ranks(self) -> WorkerReports:
         """Background-write outcomes (a Manager queue); at the first save, all ranks agree the Manager runs."""
@@ -215,6 +218,7 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         self._reports = WorkerReports(queue)
         return self._reports
 
+    @without_gc
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path) -> AsyncRequest:
         lifecycle.register(self, FlashpointSaveStrategy.close)  # it now holds the Manager and replication
         reports = self._reports_agreed_by_all_ranks()
