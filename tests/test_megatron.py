@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -68,6 +69,27 @@ def test_closing_the_nemo_io_commits_the_save_queued_behind_a_failed_one(base_di
     for output in run("close_commits_the_saves_after_a_failed_one", 2, base=base_dir):
         assert "OUTCOMES 1:failed 2:ok" in output, output
         assert "COMMITTED [2]" in output, output
+
+
+def test_a_dead_persistent_worker_fails_its_save_everywhere_instead_of_hanging(base_dir):
+    outputs = run_world("megatron_scenarios", "dead_persistent_worker_drops_its_saves_everywhere", 2,
+                        {"base": str(base_dir)}, timeout=150)
+    for output in outputs:
+        assert "OUTCOMES 1:ok 2:failed 3:ok" in output, output
+    assert committed_steps(CheckpointLayout(base_dir))[-2:] == [1, 3]  # step 2 never committed
+    assert "rank 1: its persistent save worker" in outputs[0] and "exited with code -9" in outputs[0], outputs[0]
+
+
+def test_a_hung_worker_fails_its_save_everywhere_within_the_timeout(base_dir):
+    outputs = run_world("megatron_scenarios", "hung_worker_fails_its_save_within_the_timeout", 2,
+                        {"base": str(base_dir)}, timeout=150)
+    for output in outputs:
+        assert "OUTCOMES 1:ok 2:failed 3:ok" in output, output
+        finalized_s = float(re.search(r"FINALIZED in ([\d.]+)s", output).group(1))
+        assert finalized_s < 20, output
+    assert all("worker_gone=True" in output for output in outputs), outputs
+    assert "rank 1: the background write of step 2 is not done after" in outputs[0], outputs[0]
+    assert committed_steps(CheckpointLayout(base_dir))[-2:] == [1, 3]
 
 
 @pytest.mark.parametrize("hook, timeout", [("fail", None), ("hang", 5)])

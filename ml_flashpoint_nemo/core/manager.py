@@ -14,7 +14,7 @@ writer (DESIGN.md section 3):
   normally re-import ``__main__``; a script without an ``if __name__ == "__main__":``
   guard would then re-run training in the child and hang. Our Manager serves only
   built-in proxies, so its child skips that import (see
-  :func:`_main_module_not_reimported`).
+  :func:`main_module_not_reimported`).
 * The Manager process dies with the process that started it, SIGKILL included: an
   orphan could outlive an in-job restart. See :func:`_server_init`.
 """
@@ -153,7 +153,7 @@ class ManagerFuture(Future[SyncManager]):
                 if self._settled:  # abandoned before we began
                     return
                 self._manager = manager
-            with _main_module_not_reimported():
+            with main_module_not_reimported():
                 manager.start(_server_init, (os.getpid(), server_hook))
         except BaseException as exc:  # noqa: BLE001 - the future carries it to whoever waits
             exitcode = _reap_failed_child(manager)
@@ -342,7 +342,7 @@ _this_thread = threading.local()
 
 
 @contextlib.contextmanager
-def _main_module_not_reimported() -> Iterator[None]:
+def main_module_not_reimported() -> Iterator[None]:
     """While active, processes spawned *by this thread* do not re-import the main module.
 
     The spawn start method sends the child ``get_preparation_data()``; its keys

@@ -44,6 +44,18 @@ def stop_async_workers(queue: AsyncCallsQueue, *, grace_s: float = DEFAULT_GRACE
     return stopped
 
 
+def dead_persistent_worker(queue: AsyncCallsQueue) -> str | None:
+    """Why `queue`'s persistent worker can no longer finish its calls (None: it can, or there is none).
+
+    Megatron never checks: its blocking finalize polls for the dead worker's completions forever.
+    """
+    caller = queue.persistent_caller
+    process = getattr(caller, "process", None)
+    if process is None or process.is_alive():
+        return None
+    return f"its persistent save worker (pid {process.pid}) exited with code {process.exitcode}"
+
+
 def _stop_persistent(caller: PersistentAsyncCaller, *, kill: bool, grace_s: float) -> int:
     process, caller.process = caller.process, None
     if process is not None and not kill and process.is_alive():

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from megatron.core import dist_checkpointing
@@ -30,13 +31,14 @@ from nemo.utils.callbacks.dist_ckpt_io import AsyncFinalizableCheckpointIO
 
 from ml_flashpoint_nemo.core import lifecycle
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
-from ml_flashpoint_nemo.core.manager import ManagerFuture
+from ml_flashpoint_nemo.core.manager import ManagerFuture, main_module_not_reimported
 from ml_flashpoint_nemo.core.space import check_room_on_every_rank
+from ml_flashpoint_nemo.core.topology import any_rank, problems_of_every_rank
 from ml_flashpoint_nemo.core.versions import read_commit, retire_version
 from ml_flashpoint_nemo.dcp.storage_info import step_of_checkpoint_id
 from ml_flashpoint_nemo.dcp.writer import release_process_savers
 from ml_flashpoint_nemo.errors import BaseDirError, FlashpointError, OutOfSpaceError, TrainerSetupError
-from ml_flashpoint_nemo.megatron.async_workers import stop_async_workers
+from ml_flashpoint_nemo.megatron.async_workers import dead_persistent_worker, stop_async_workers
 from ml_flashpoint_nemo.megatron.strategies import FlashpointSaveStrategy
 from ml_flashpoint_nemo.nemo.settings import FlashpointSettings
 from ml_flashpoint_nemo.replication.service import ReplicationConfig
@@ -44,6 +46,7 @@ from ml_flashpoint_nemo.replication.service import ReplicationConfig
 logger = logging.getLogger(__name__)
 
 FLASHPOINT_SAVE = "flashpoint_save"  # the storage_options key that marks a RAM save
+_FINALIZE_POLL_S = 0.05  # a blocking finalize checks the workers this often
 
 
 @dataclass(frozen=True)
@@ -88,7 +91,7 @@ class FlashpointCheckpointIO(AsyncFinalizableCheckpointIO):
         )
         self.flashpoint_queue = AsyncCallsQueue(persistent=settings.persistent_worker)
         self.outcomes: list[SaveOutcome] = []  # finalized saves not yet reported by the callback
-        self._pending: deque[int] = deque()  # steps scheduled on the flashpoint queue, oldest first
+        self._pending: deque[tuple[int, float]] = deque()  # (step, time.monotonic() when scheduled), oldest first
         self._save_strategy: Any = None
         self._validated = False
         self._closing = threading.Lock()
@@ -168,10 +171,13 @@ class FlashpointCheckpointIO(AsyncFinalizableCheckpointIO):
         if request is None:
             self.outcomes.append(self._outcome(step, blocking))
             return
-        request.add_finalize_fn(lambda: self.outcomes.append(self._outcome(self._pending.popleft(), blocking)))
-        self._pending.append(step)
+        request.add_finalize_fn(lambda: self.outcomes.append(self._outcome(self._pending.popleft()[0], blocking)))
+        self._pending.append((step, time.monotonic()))
         lifecycle.register(self, _close_dropping_saves, first=True)  # again, in case it was closed and is used once more
-        self.flashpoint_queue.schedule_async_request(request)
+        # The persistent worker is spawned at the first save; it needs nothing of the training script, and
+        # re-running the script's top level there would cost seconds (or, unguarded, start a second trainer).
+        with main_module_not_reimported():
+            self.flashpoint_queue.schedule_async_request(request)
 
     @property
     def _async(self) -> bool:
@@ -188,20 +194,61 @@ class FlashpointCheckpointIO(AsyncFinalizableCheckpointIO):
 
         A failed save is logged and reported, never raised: the previous version is intact and
         training goes on. Megatron stops finalizing at a failed save (it is dropped from the
-        queue first), so the saves after it are finalized by the next round here.
+        queue first), so the saves after it are finalized by the next round here. The wait is
+        bounded: a save whose worker died, or that is not done within worker_timeout_s, fails on
+        every rank (Megatron's own blocking finalize would wait for it forever).
         """
         finalized = False
         while self.flashpoint_queue.get_num_unfinalized_calls():
+            finalized = self._drop_stuck_saves() or finalized
             try:
-                finalized = bool(self.flashpoint_queue.maybe_finalize_async_calls(blocking)) or finalized
-                return finalized
+                finalized = bool(self.flashpoint_queue.maybe_finalize_async_calls(blocking=False)) or finalized
             except FlashpointError as exc:
-                logger.error("Flashpoint save failed, training continues and the previous RAM version is kept: %s",
-                             exc)
-                step = self._pending.popleft() if self._pending else -1
-                self.outcomes.append(SaveOutcome(step=step, staging_s=0.0, error=str(exc)))
+                self._fail_oldest(exc)
                 finalized = True
+                continue  # the saves after it may be done as well
+            if not blocking:
+                break
+            if self.flashpoint_queue.get_num_unfinalized_calls():
+                time.sleep(_FINALIZE_POLL_S)
         return finalized
+
+    def _drop_stuck_saves(self) -> bool:
+        """Collective: if any rank's worker died (OOM-killed, say) or its oldest save is overdue, finalize
+        what every rank finished and drop the rest everywhere, stopping the workers; True if it did.
+
+        The next save starts a new worker.
+        """
+        problem = dead_persistent_worker(self.flashpoint_queue) if self.flashpoint_queue.persistent else None
+        if problem is None and self._pending:
+            step, scheduled = self._pending[0]
+            age = time.monotonic() - scheduled
+            if age > self.settings.worker_timeout_s:
+                problem = (f"the background write of step {step} is not done after {age:.0f} s (worker_timeout_s="
+                           f"{self.settings.worker_timeout_s:g}; a hung worker?)")
+        if not any_rank(problem is not None):
+            return False
+        failed = problems_of_every_rank(problem and f"rank {dist.get_rank()}: {problem}")
+        try:
+            self.flashpoint_queue.maybe_finalize_async_calls(blocking=False)
+        except FlashpointError as exc:
+            self._fail_oldest(exc)
+        dropped = [step for step, _ in self._pending]
+        stop_async_workers(self.flashpoint_queue)
+        self._pending.clear()
+        for step in dropped:
+            self._report_failure(step, "; ".join(failed) + ". The unfinished saves are dropped and their workers "
+                                 "stopped; the next save starts a new worker")
+        return True
+
+    def _fail_oldest(self, exc: FlashpointError) -> None:
+        """Megatron raised from the oldest save's finalize (and dropped it from its queue)."""
+        self._report_failure(self._pending.popleft()[0] if self._pending else -1, str(exc))
+
+    def _report_failure(self, step: int, error: str) -> None:
+        logger.error("Flashpoint save of step %d failed, training continues and the previous RAM version is kept: %s",
+                     step, error)
+        self.outcomes.append(SaveOutcome(step=step, staging_s=0.0, error=error))
 
     # --- AsyncFinalizableCheckpointIO ---------------------------------------------------------
 

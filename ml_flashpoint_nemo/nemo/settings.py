@@ -23,7 +23,8 @@ class FlashpointOptions:
     threads: int | None = None
     async_save: bool | None = None  # None: follow the strategy's ckpt_async_save
     checksum: bool = True
-    persistent_worker: bool = False  # Megatron's default: a forked worker per save
+    persistent_worker: bool = True  # one spawned worker for every save (False: Megatron's fork per save)
+    worker_timeout_s: float = 600.0  # a background write not done by then is stopped and fails on every rank
     parallel_save: bool = True  # spread replicated tensors over the data-parallel ranks
     enabled: bool = True
     resume: bool = True
@@ -38,6 +39,9 @@ class FlashpointOptions:
                 raise TrainerSetupError(f"flashpoint option {name} must be an integer >= 1, got {value!r}")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise TrainerSetupError(f"flashpoint option threads must be None or an integer >= 1, got {self.threads!r}")
+        timeout = self.worker_timeout_s
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
+            raise TrainerSetupError(f"flashpoint option worker_timeout_s must be a number of seconds > 0, got {timeout!r}")
 
 
 @dataclass(kw_only=True)

@@ -211,19 +211,35 @@ def overlapping_saves_each_get_their_report(p: dict[str, Any]) -> None:
     strategy.close()
 
 
+def nemo_io(p: dict[str, Any], **options: Any) -> Any:
+    """The NeMo checkpoint IO flashpoint wraps a trainer's with, RAM saves async, on p["base"]."""
+    from nemo.lightning.io.pl import MegatronCheckpointIO
+
+    from ml_flashpoint_nemo.nemo.checkpoint_io import FlashpointCheckpointIO
+    from ml_flashpoint_nemo.nemo.settings import FlashpointSettings
+
+    settings = FlashpointSettings.create(p["base"], async_save=True, parallel_save=False, **options)
+    return FlashpointCheckpointIO(MegatronCheckpointIO(), settings)
+
+
+def save_through(io: Any, p: dict[str, Any], step: int) -> None:
+    from ml_flashpoint_nemo.nemo.checkpoint_io import FLASHPOINT_SAVE
+
+    io.save_checkpoint(sharded_state(step), version_dir(p["base"], step), storage_options={FLASHPOINT_SAVE: True})
+
+
+def print_outcomes(io: Any, p: dict[str, Any]) -> None:
+    print("OUTCOMES", " ".join(f"{o.step}:{'failed' if o.error else 'ok'}" for o in io.outcomes), flush=True)
+    print("COMMITTED", committed_steps(CheckpointLayout(p["base"])), flush=True)
+
+
 def close_commits_the_saves_after_a_failed_one(p: dict[str, Any]) -> None:
     """Two RAM saves in flight through the NeMo checkpoint IO; rank 1's write of the first fails.
 
     Megatron stops finalizing at the failed save; closing with finalize must still commit the
     second (it used to kill its worker), and report both outcomes.
     """
-    from nemo.lightning.io.pl import MegatronCheckpointIO
-
-    from ml_flashpoint_nemo.nemo.checkpoint_io import FLASHPOINT_SAVE, FlashpointCheckpointIO
-    from ml_flashpoint_nemo.nemo.settings import FlashpointSettings
-
-    io = FlashpointCheckpointIO(MegatronCheckpointIO(), FlashpointSettings.create(p["base"], async_save=True,
-                                                                                   parallel_save=False))
+    io = nemo_io(p, persistent_worker=False)
     strategy = io.flashpoint_strategy
     plain_async_save = strategy.async_save
 
@@ -235,11 +251,58 @@ def close_commits_the_saves_after_a_failed_one(p: dict[str, Any]) -> None:
 
     strategy.async_save = async_save_losing_step_1  # type: ignore[method-assign]
     for step in (1, 2):
-        io.save_checkpoint(sharded_state(step), version_dir(p["base"], step), storage_options={FLASHPOINT_SAVE: True})
+        save_through(io, p, step)
     io.close(finalize=True)
-    print("OUTCOMES", " ".join(f"{o.step}:{'failed' if o.error else 'ok'}" for o in io.outcomes))
-    print("COMMITTED", committed_steps(CheckpointLayout(p["base"])))
+    print_outcomes(io, p)
     check_loaded(load(p, 2), 2)
+
+
+def hung_worker_fails_its_save_within_the_timeout(p: dict[str, Any]) -> None:
+    """Rank 1's forked worker of step 2 hangs forever: the blocking finalize must end within worker_timeout_s
+    with the save failed on every rank, the worker stopped, and the next save committed."""
+    from ml_flashpoint_nemo.megatron import worker_reports
+
+    io = nemo_io(p, persistent_worker=False, worker_timeout_s=5)
+    save_through(io, p, 1)
+    io.finalize_flashpoint(blocking=True)
+    sealing = worker_reports.seal_object
+    if dist.get_rank() == 1:
+        worker_reports.seal_object = lambda job, threads: time.sleep(3600)  # inherited by the forked worker
+    save_through(io, p, 2)
+    worker_reports.seal_object = sealing
+    worker_pid = io.flashpoint_queue.async_calls[0].async_caller.process.pid
+    started = time.monotonic()
+    io.finalize_flashpoint(blocking=True)
+    print(f"FINALIZED in {time.monotonic() - started:.1f}s worker_gone={not os.path.exists(f'/proc/{worker_pid}')}",
+          flush=True)
+    save_through(io, p, 3)
+    io.close(finalize=True)
+    print_outcomes(io, p)
+    if dist.get_rank() == 0:
+        print("ERRORS", [o.error for o in io.outcomes if o.error], flush=True)
+    check_loaded(load(p, 3), 3)
+
+
+def dead_persistent_worker_drops_its_saves_everywhere(p: dict[str, Any]) -> None:
+    """Rank 1's persistent worker is SIGKILLed between saves (an OOM kill): the next blocking finalize
+    must not wait for it forever; its save fails on every rank and the save after it gets a new worker."""
+    io = nemo_io(p)
+    save_through(io, p, 1)
+    io.finalize_flashpoint(blocking=True)
+    if dist.get_rank() == 1:
+        worker = io.flashpoint_queue.persistent_caller.process
+        worker.kill()
+        worker.join(10)
+    dist.barrier()
+    save_through(io, p, 2)  # queued for a worker that is gone
+    io.finalize_flashpoint(blocking=True)
+    save_through(io, p, 3)
+    io.finalize_flashpoint(blocking=True)
+    io.close(finalize=True)
+    print_outcomes(io, p)
+    if dist.get_rank() == 0:
+        print("ERRORS", [o.error for o in io.outcomes if o.error], flush=True)
+    check_loaded(load(p, 3), 3)
 
 
 def node_base(p: dict[str, Any]) -> str:
@@ -290,4 +353,6 @@ if __name__ == "__main__":
                                            plan_reused_only_while_structure_is_unchanged,
                                            overlapping_saves_each_get_their_report,
                                            common_state_on_every_node, failed_node_copy_fails_every_rank, choose,
-                                           close_commits_the_saves_after_a_failed_one)})
+                                           close_commits_the_saves_after_a_failed_one,
+                                           dead_persistent_worker_drops_its_saves_everywhere,
+                                           hung_worker_fails_its_save_within_the_timeout)})
