@@ -239,7 +239,7 @@ def close_commits_the_saves_after_a_failed_one(p: dict[str, Any]) -> None:
     Megatron stops finalizing at the failed save; closing with finalize must still commit the
     second (it used to kill its worker), and report both outcomes.
     """
-    io = nemo_io(p, persistent_worker=False)
+    io = nemo_io(p)
     strategy = io.flashpoint_strategy
     plain_async_save = strategy.async_save
 
@@ -286,7 +286,7 @@ def hung_worker_fails_its_save_within_the_timeout(p: dict[str, Any]) -> None:
 def dead_persistent_worker_drops_its_saves_everywhere(p: dict[str, Any]) -> None:
     """Rank 1's persistent worker is SIGKILLed between saves (an OOM kill): the next blocking finalize
     must not wait for it forever; its save fails on every rank and the save after it gets a new worker."""
-    io = nemo_io(p)
+    io = nemo_io(p, persistent_worker=True)
     save_through(io, p, 1)
     io.finalize_flashpoint(blocking=True)
     if dist.get_rank() == 1:
