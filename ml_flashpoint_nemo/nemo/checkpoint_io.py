@@ -11,8 +11,11 @@ the wrapped IO.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import platform
+import sys
 import threading
 import time
 from collections import deque
@@ -47,6 +50,7 @@ logger = logging.getLogger(__name__)
 
 FLASHPOINT_SAVE = "flashpoint_save"  # the storage_options key that marks a RAM save
 _FINALIZE_POLL_S = 0.05  # a blocking finalize checks the workers this often
+FORK_SAFE_PYTHON = (3, 11, 10)  # the first 3.11 whose os.fork() child cannot hang on the interpreter's HEAD_LOCK
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,8 @@ class FlashpointCheckpointIO(AsyncFinalizableCheckpointIO):
             replication=ReplicationConfig(factor=settings.replication_factor),
         )
         self.flashpoint_queue = AsyncCallsQueue(persistent=settings.persistent_worker)
+        if not settings.persistent_worker and sys.version_info < FORK_SAFE_PYTHON:
+            _warn_fork_can_deadlock()
         self.outcomes: list[SaveOutcome] = []  # finalized saves not yet reported by the callback
         self._pending: deque[tuple[int, float]] = deque()  # (step, time.monotonic() when scheduled), oldest first
         self._save_strategy: Any = None
@@ -294,6 +300,15 @@ class FlashpointCheckpointIO(AsyncFinalizableCheckpointIO):
         # The callback finalizes at the end of training, on every rank.
         self.close(finalize=False)
         self.checkpoint_io.teardown()
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_fork_can_deadlock() -> None:
+    logger.warning(
+        "Python %s can deadlock a forked process when another thread starts or ends at the moment of the fork "
+        "(CPython gh-112275, fixed in 3.11.10), and Megatron forks a worker for every async save. A stuck worker "
+        "fails its save on every rank after worker_timeout_s; to avoid it, use Python >= 3.11.10 or "
+        "persistent_worker=True.", platform.python_version())
 
 
 def _close_dropping_saves(io: FlashpointCheckpointIO) -> None:

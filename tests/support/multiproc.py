@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -45,6 +46,7 @@ def run_ranks(module: str, scenario: str, params: dict[str, Any], *, prefixes: l
         procs.append(subprocess.Popen(
             prefixes[rank] + [sys.executable, "-m", f"tests.support.{module}", scenario, json.dumps(params)],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True,  # its own process group: a timeout kills what it forked too
         ))
     deadline = time.monotonic() + timeout
     outputs, failures = [], []
@@ -53,8 +55,11 @@ def run_ranks(module: str, scenario: str, params: dict[str, Any], *, prefixes: l
             out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             for other in procs:
-                other.kill()
-            out, err = proc.communicate()
+                _kill_group(other)
+            try:
+                out, err = proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:  # something outside the group still holds its pipes
+                out, err = "", "(no output: its pipes stayed open after the kill)"
             failures.append(f"rank {rank} timed out after {timeout}s\n{err[-3000:]}")
             continue
         outputs.append(out)
@@ -62,6 +67,15 @@ def run_ranks(module: str, scenario: str, params: dict[str, Any], *, prefixes: l
             failures.append(f"rank {rank} exited with {proc.returncode}\n{err[-3000:]}\n{out[-2000:]}")
     assert not failures, "\n".join(failures)
     return outputs
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL a rank and every process it forked (e.g. a forked async-save worker that hung and keeps the
+    rank's stdout open, so that reading it would never end)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def expect_failure(action: Callable[[], Any], label: str) -> None:
