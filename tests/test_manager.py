@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
-import signal
 import subprocess
 import sys
 import threading
@@ -24,6 +22,7 @@ from ml_flashpoint_nemo.core.manager import (
 )
 from ml_flashpoint_nemo.errors import FlashpointError, ManagerStartError
 from tests.support import manager_hooks
+from tests.support.orphans import assert_helper_dies_with_parent, gone, repo_env, wait_gone
 
 logger = logging.getLogger(__name__)
 
@@ -46,30 +45,6 @@ def start() -> Iterator[Callable[..., ManagerFuture]]:
         future.close()
 
 
-def _gone(pid: int) -> bool:
-    """True if the process no longer runs (absent, or a zombie nobody has reaped yet)."""
-    try:
-        with open(f"/proc/{pid}/status") as status:
-            return any(line.startswith("State:") and "Z" in line.split()[1] for line in status)
-    except (FileNotFoundError, ProcessLookupError):  # reaped between open() and read()
-        return True
-
-
-def _wait_gone(pid: int, within: float = 5.0) -> bool:
-    give_up = time.monotonic() + within
-    while time.monotonic() < give_up:
-        if _gone(pid):
-            return True
-        time.sleep(0.05)
-    return _gone(pid)
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    return env
-
-
 def test_future_resolves_to_a_working_manager_that_close_shuts_down(start: Callable[..., ManagerFuture]) -> None:
     began = time.perf_counter()
     future = start()
@@ -80,11 +55,11 @@ def test_future_resolves_to_a_working_manager_that_close_shuts_down(start: Calla
     shared = manager.dict()
     shared["step"] = 7
     assert shared["step"] == 7
-    assert future.pid is not None and not _gone(future.pid)
+    assert future.pid is not None and not gone(future.pid)
 
     # The launching thread has finished its work; PR_SET_PDEATHSIG must not have killed the server.
     time.sleep(0.5)
-    assert not _gone(future.pid)
+    assert not gone(future.pid)
     items = manager.Queue()
     items.put("hello")
     assert items.get(timeout=5) == "hello"
@@ -92,7 +67,7 @@ def test_future_resolves_to_a_working_manager_that_close_shuts_down(start: Calla
 
     pid = future.pid
     future.close()  # shuts the server down; idempotent
-    assert _wait_gone(pid)
+    assert wait_gone(pid)
     future.close()
     shutdown_manager(future)
     shutdown_manager(None)
@@ -109,7 +84,7 @@ def test_start_failure_is_raised_with_its_cause(start: Callable[..., ManagerFutu
     with pytest.raises(ManagerStartError):  # every later wait fails the same way, at once
         wait_for_manager(future)
     assert isinstance(future.exception(), ManagerStartError)
-    assert future.pid is not None and _wait_gone(future.pid)
+    assert future.pid is not None and wait_gone(future.pid)
     future.close()  # harmless after a failed start, and twice
     shutdown_manager(future)
 
@@ -123,7 +98,7 @@ def test_wait_timeout_abandons_the_start_and_kills_the_child(start: Callable[...
     assert 'if __name__ == "__main__":' in message
     assert TIMEOUT_ENV in message
     assert future.pid is not None
-    assert _wait_gone(future.pid), "the half-started Manager process survived the timeout"
+    assert wait_gone(future.pid), "the half-started Manager process survived the timeout"
     assert future.done() and future.cancel() is False
 
 
@@ -138,14 +113,14 @@ def test_deadline_is_enforced_even_if_nobody_waits(start: Callable[..., ManagerF
     assert isinstance(future.exception(timeout=0), ManagerStartError)
     assert "did not start within 1.0 s" in str(future.exception(timeout=0))
     assert closed.wait(5)
-    assert future.pid is not None and _wait_gone(future.pid)
+    assert future.pid is not None and wait_gone(future.pid)
 
 
 def test_a_short_wait_times_out_the_start(start: Callable[..., ManagerFuture]) -> None:
     future = start(timeout=60.0, _server_hook=manager_hooks.hang)
     with pytest.raises(ManagerStartError, match="limit 0.2 s"):
         future.result(timeout=0.2, what="this test")
-    assert future.pid is None or _wait_gone(future.pid)
+    assert future.pid is None or wait_gone(future.pid)
 
 
 def test_close_during_the_start_abandons_it(start: Callable[..., ManagerFuture]) -> None:
@@ -157,7 +132,7 @@ def test_close_during_the_start_abandons_it(start: Callable[..., ManagerFuture])
     future.close()
     with pytest.raises(ManagerStartError, match="closed before it had started"):
         future.result()
-    assert pid is not None and _wait_gone(pid)
+    assert pid is not None and wait_gone(pid)
     future.close()
 
 
@@ -180,7 +155,7 @@ def test_unguarded_main_script_is_not_rerun_by_the_manager_process() -> None:
     result = subprocess.run(
         [sys.executable, str(script), "60"],
         cwd=REPO,
-        env=_env(),
+        env=repo_env(),
         capture_output=True,
         text=True,
         timeout=SUBPROCESS_TIMEOUT_S,
@@ -192,42 +167,12 @@ def test_unguarded_main_script_is_not_rerun_by_the_manager_process() -> None:
     assert len(top_levels) == 1, f"the main module was re-run: {top_levels}"
 
 
-def _read_lines(stream: object, lines: queue.Queue[str]) -> None:
-    for line in stream:  # type: ignore[attr-defined]
-        lines.put(line)
-
-
 @pytest.mark.parametrize("mode", ["pdeathsig", "watchdog-only"])
 def test_manager_dies_with_its_sigkilled_parent(mode: str) -> None:
     command = [sys.executable, "-m", "tests.support.manager_parent"]
     if mode == "watchdog-only":
         command.append("--no-pdeathsig")
-    parent = subprocess.Popen(command, cwd=REPO, env=_env(), stdout=subprocess.PIPE, text=True)
-    manager_pid = None
-    try:
-        lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=_read_lines, args=(parent.stdout, lines), daemon=True).start()
-        give_up = time.monotonic() + SUBPROCESS_TIMEOUT_S
-        while manager_pid is None and time.monotonic() < give_up and parent.poll() is None:
-            try:
-                line = lines.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            if line.startswith("MANAGER PID "):
-                manager_pid = int(line.split()[-1])
-        assert manager_pid is not None, "the child never reported its Manager"
-        time.sleep(0.5)
-        assert not _gone(manager_pid), "the Manager died while its parent was alive"
-
-        parent.send_signal(signal.SIGKILL)
-        parent.wait(timeout=10)
-        assert _wait_gone(manager_pid, within=5.0), f"Manager {manager_pid} outlived its SIGKILLed parent"
-    finally:
-        if parent.poll() is None:
-            parent.kill()
-            parent.wait(timeout=10)
-        if manager_pid is not None and not _gone(manager_pid):
-            os.kill(manager_pid, signal.SIGKILL)
+    assert_helper_dies_with_parent(command, "MANAGER PID ", "Manager", timeout=SUBPROCESS_TIMEOUT_S)
 
 
 @pytest.mark.parametrize(

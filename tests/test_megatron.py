@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import subprocess
 import sys
 
 import pytest
@@ -15,8 +13,8 @@ from ml_flashpoint_nemo.core import committed_steps, verify_version
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.version_files import MEGATRON_CONFIG_BYTES, MEGATRON_CONFIG_NAME
 from tests.test_cli import flashpoint
-from tests.support.multiproc import REPO, run_world
-from tests.test_manager import _gone, _wait_gone
+from tests.support.multiproc import run_world
+from tests.support.orphans import assert_helper_dies_with_parent
 
 
 def run(scenario: str, world_size: int, **params) -> list[str]:
@@ -149,22 +147,5 @@ def test_flipped_common_state_fails_the_load(base_dir):
 def test_persistent_worker_dies_with_its_sigkilled_trainer(base_dir):
     """Megatron's persistent worker has no parent-death handling of its own; seal_and_report ties it to the
     trainer at its first save, so an NVRx in-job restart never finds the last incarnation's worker."""
-    trainer = subprocess.Popen([sys.executable, "-m", "tests.support.persistent_worker_parent", str(base_dir)],
-                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    worker_pid = None
-    try:
-        for line in trainer.stdout:  # type: ignore[union-attr]
-            if line.startswith("WORKER PID "):
-                worker_pid = int(line.split()[-1])
-                break
-        assert worker_pid is not None, f"the trainer exited with {trainer.wait()} before reporting its worker"
-        assert not _gone(worker_pid)
-        trainer.send_signal(signal.SIGKILL)
-        trainer.wait(timeout=10)
-        assert _wait_gone(worker_pid, within=5.0), f"persistent worker {worker_pid} outlived its SIGKILLed trainer"
-    finally:
-        if trainer.poll() is None:
-            trainer.kill()
-            trainer.wait(timeout=10)
-        if worker_pid is not None and not _gone(worker_pid):
-            os.kill(worker_pid, signal.SIGKILL)
+    assert_helper_dies_with_parent([sys.executable, "-m", "tests.support.persistent_worker_parent", str(base_dir)],
+                                   "WORKER PID ", "persistent save worker")

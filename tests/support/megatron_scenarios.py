@@ -233,6 +233,15 @@ def print_outcomes(io: Any, p: dict[str, Any]) -> None:
     print("COMMITTED", committed_steps(CheckpointLayout(p["base"])), flush=True)
 
 
+def close_and_report(io: Any, p: dict[str, Any], *, loaded_step: int) -> None:
+    """Close the IO (finalizing), print every save's outcome and the errors, check loaded_step loads."""
+    io.close(finalize=True)
+    print_outcomes(io, p)
+    if dist.get_rank() == 0:
+        print("ERRORS", [o.error for o in io.outcomes if o.error], flush=True)
+    check_loaded(load(p, loaded_step), loaded_step)
+
+
 def close_commits_the_saves_after_a_failed_one(p: dict[str, Any]) -> None:
     """Two RAM saves in flight through the NeMo checkpoint IO; rank 1's write of the first fails.
 
@@ -276,11 +285,7 @@ def hung_worker_fails_its_save_within_the_timeout(p: dict[str, Any]) -> None:
     print(f"FINALIZED in {time.monotonic() - started:.1f}s worker_gone={not os.path.exists(f'/proc/{worker_pid}')}",
           flush=True)
     save_through(io, p, 3)
-    io.close(finalize=True)
-    print_outcomes(io, p)
-    if dist.get_rank() == 0:
-        print("ERRORS", [o.error for o in io.outcomes if o.error], flush=True)
-    check_loaded(load(p, 3), 3)
+    close_and_report(io, p, loaded_step=3)
 
 
 def dead_persistent_worker_drops_its_saves_everywhere(p: dict[str, Any]) -> None:
@@ -297,12 +302,7 @@ def dead_persistent_worker_drops_its_saves_everywhere(p: dict[str, Any]) -> None
     save_through(io, p, 2)  # queued for a worker that is gone
     io.finalize_flashpoint(blocking=True)
     save_through(io, p, 3)
-    io.finalize_flashpoint(blocking=True)
-    io.close(finalize=True)
-    print_outcomes(io, p)
-    if dist.get_rank() == 0:
-        print("ERRORS", [o.error for o in io.outcomes if o.error], flush=True)
-    check_loaded(load(p, 3), 3)
+    close_and_report(io, p, loaded_step=3)
 
 
 def node_base(p: dict[str, Any]) -> str:
