@@ -83,7 +83,9 @@ def close_during_a_stuck_push(p: dict[str, Any]) -> None:
     strategy = FlashpointSaveStrategy(replication=_config(p))
     mine = dict(p, base=node_base(p))
     save(mine, 1, None, strategy)
-    assert strategy.replication.wait(1, timeout=60).state == "replicated"
+    replicated = strategy.replication.wait(1, timeout=60).state == "replicated"
+    dist.barrier()  # every rank's push of step 1 is done before rank 1's server is swapped out
+    assert replicated
     silent = None
     if dist.get_rank() == 1:
         host, port = strategy.replication.addresses[1]
