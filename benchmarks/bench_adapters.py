@@ -8,9 +8,10 @@ DESIGN.md §3 and §8 give the budgets this script checks; every line has `targe
                      threads (`seconds`) and with one thread (`seconds_1thread`).
 - async_blocking     Megatron dist_checkpointing.save(..., FlashpointSaveStrategy(),
                      async_sharded_save=True) plus AsyncCallsQueue.schedule_async_request:
-                     the time the training step waits, as the NeMo IO saves by default (a
-                     forked worker per save, the sharding-integrity check on the first save;
-                     --persistent-worker, --validate-every-save change either). The
+                     the time the training step waits, as the NeMo IO saves by default (its
+                     PersistentWorkerQueue: the worker, started at set-up, is up before the
+                     timed saves; the sharding-integrity check on the first save only;
+                     --fork-per-save, --validate-every-save change either). The
                      finalize (maybe_finalize_async_calls(blocking=True)) is not part of it.
                      Budget: blocking <= 1.1x the faster of the two staging copies
                      (torch's threads can stall in OpenMP on a busy machine). Measured with
@@ -121,6 +122,7 @@ from torch.distributed.checkpoint.planner import (  # noqa: E402
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult  # noqa: E402
 from ml_flashpoint_nemo.megatron import FlashpointLoadStrategy, FlashpointSaveStrategy  # noqa: E402
+from ml_flashpoint_nemo.megatron.async_workers import PersistentWorkerQueue  # noqa: E402
 
 LARGE_TENSORS = 4
 SMALL_TENSORS = 500
@@ -131,6 +133,7 @@ BLOCKING_BUDGET = 1.1  # async blocking time / staging copy time
 DCP_OVERHEAD_BUDGET = 0.10  # DCP seconds / core seconds - 1
 MANAGER_RETURN_BUDGET_S = 0.005
 CHILD_TIMEOUT_S = 240
+WORKER_BOOT_TIMEOUT_S = 240
 
 State = dict[str, torch.Tensor]
 Row = dict[str, Any]
@@ -267,7 +270,7 @@ def new_parts() -> Parts:
 
 
 def bench_async_blocking(
-    bench: Bench, dest: State, *, persistent: bool = False, validate_once: bool = False
+    bench: Bench, dest: State, *, persistent: bool = True, validate_once: bool = False
 ) -> tuple[tuple[Result, Parts], tuple[Result, Parts]]:
     """Megatron async save + AsyncCallsQueue scheduling, timed (the finalize is not); with Python's GC on, then off.
 
@@ -279,7 +282,11 @@ def bench_async_blocking(
     steps = count()
     manager = start_manager_warmup()  # as trainer set-up does, off the critical path
     strategy = FlashpointSaveStrategy(manager_future=manager)
-    queue = AsyncCallsQueue(persistent=persistent)
+    queue = PersistentWorkerQueue() if persistent else AsyncCallsQueue()
+    if persistent:  # as the IO does at trainer set-up; the timed saves measure the worker once it is up
+        queue.start_worker()
+        if not queue.worker_ready(timeout=WORKER_BOOT_TIMEOUT_S):
+            raise RuntimeError(f"the persistent save worker was not up within {WORKER_BOOT_TIMEOUT_S} s")
     saves = count()
 
     def blocking_save(parts: Parts) -> float:
@@ -349,7 +356,8 @@ def blocking_row(gc_on: tuple[Result, Parts], gc_off: tuple[Result, Parts], stag
         **{f"gc_off_{k}": v for k, v in blocking_parts(result_gc_off, parts_gc_off).items()},
         copy_threads=default_copy_threads(), warmup_saves=WARMUP_SAVES, megatron_cpu_shim=MEGATRON_CPU_SHIM,
         persistent_worker=persistent, validate_access_integrity="first save only" if validate_once else "every save",
-        note=f"seconds = dist_checkpointing.save(async_sharded_save=True) + AsyncCallsQueue(persistent={persistent})"
+        note="seconds = dist_checkpointing.save(async_sharded_save=True) + "
+        f"{'PersistentWorkerQueue (worker up)' if persistent else 'AsyncCallsQueue (fork per save)'}"
         ".schedule_async_request; stage_copy_seconds = CheckpointSaver.stage_object inside "
         "it; finalize (maybe_finalize_async_calls(blocking=True)) untimed; ratio against the faster staging copy; "
         "gc_off_* = the same with Python's GC disabled. "
@@ -602,8 +610,9 @@ def run_all(args: argparse.Namespace, workdir: Path) -> list[Row]:
         staging, staging_1thread = bench_staging_copy(bench, dest)
         rows.append(staging_row(staging, staging_1thread))
         validate_once = not args.validate_every_save
-        blocking = bench_async_blocking(bench, dest, persistent=args.persistent_worker, validate_once=validate_once)
-        rows.append(blocking_row(*blocking, staging, staging_1thread, persistent=args.persistent_worker,
+        persistent = not args.fork_per_save
+        blocking = bench_async_blocking(bench, dest, persistent=persistent, validate_once=validate_once)
+        rows.append(blocking_row(*blocking, staging, staging_1thread, persistent=persistent,
                                  validate_once=validate_once))
         rows += bench_dcp_vs_core(bench, dest)
     return sorted(rows, key=lambda r: ROW_ORDER.index(r["name"]))
@@ -622,9 +631,9 @@ def print_rows(rows: list[Row], as_json: bool) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = common_arguments(__doc__.split("\n\n")[0], 0.5)
-    parser.add_argument("--persistent-worker", action="store_true",
-                        help="async saves through Megatron's persistent worker (the IO's persistent_worker=True) "
-                             "instead of a fork per save")
+    parser.add_argument("--fork-per-save", action="store_true",
+                        help="async saves fork a worker each (the IO's persistent_worker=False) instead of "
+                             "going to the persistent worker")
     parser.add_argument("--validate-every-save", action="store_true",
                         help="Megatron's sharding-integrity check every save (its default outside the NeMo IO, "
                              "which checks the first save only)")

@@ -6,7 +6,9 @@ wrap_trainer_with_flashpoint, async RAM saves every 2 steps, 8 steps) as the fun
 rank 1 raises a RuntimeError after step 5, in iteration 1 after step 7 (a save is in flight both times). The
 Wrapper aborts on both ranks (our FlashpointAbort closes the flashpoint resources, then NVRx destroys the process
 groups) and calls the function again in the same processes: a new trainer, wrapped again under the same base
-directory, resumes from the newest RAM version. Iteration 2 trains to the end. Every loss of every iteration and
+directory, resumes from the newest RAM version. Iteration 2 trains to the end. Each iteration trains once its
+persistent save worker is up (nemo_train --save-worker-up): this tiny model would otherwise reach its fault while the worker
+still boots on the 2 cores, before any save committed. Every loss of every iteration and
 the final parameters and optimizer state must equal an uninterrupted run's bit for bit (quickstart.compare).
 
 How the Wrapper runs on CPU, and why:

@@ -144,8 +144,30 @@ def test_flipped_common_state_fails_the_load(base_dir):
         verify_version(base_dir, 3)
 
 
-def test_persistent_worker_dies_with_its_sigkilled_trainer(base_dir):
-    """Megatron's persistent worker has no parent-death handling of its own; seal_and_report ties it to the
-    trainer at its first save, so an NVRx in-job restart never finds the last incarnation's worker."""
-    assert_helper_dies_with_parent([sys.executable, "-m", "tests.support.persistent_worker_parent", str(base_dir)],
-                                   "WORKER PID ", "persistent save worker")
+@pytest.mark.parametrize("started_by", ["megatron", "prestarted"])
+def test_persistent_worker_dies_with_its_sigkilled_trainer(base_dir, started_by):
+    """Megatron's persistent worker has no parent-death handling of its own: seal_and_report ties it to the
+    trainer at its first save, and the IO's pre-started worker is tied before it boots. An NVRx in-job
+    restart never finds the last incarnation's worker."""
+    assert_helper_dies_with_parent(
+        [sys.executable, "-m", "tests.support.persistent_worker_parent", str(base_dir), started_by],
+        "WORKER PID ", f"persistent save worker ({started_by})")
+
+
+def test_saves_fork_until_the_prestarted_persistent_worker_is_up_then_use_it(base_dir):
+    outputs = run_world("megatron_scenarios", "saves_fork_until_the_persistent_worker_is_up", 2,
+                        {"base": str(base_dir)}, timeout=180)
+    for output in outputs:
+        assert "CALLERS TemporalAsyncCaller PersistentAsyncCaller PersistentAsyncCaller" in output, output
+        assert "OUTCOMES 1:ok 2:ok 3:ok" in output, output
+        assert "WORKER GONE True" in output, output
+        assert float(re.search(r"START took ([\d.]+) ms", output).group(1)) < 100, output
+
+
+def test_a_persistent_worker_dead_while_booting_leaves_saves_to_forked_workers(base_dir):
+    outputs = run_world("megatron_scenarios", "worker_dead_while_booting_leaves_saves_to_forks", 2,
+                        {"base": str(base_dir)}, timeout=180)
+    assert all("OUTCOMES 1:ok 2:ok" in output for output in outputs), outputs
+    assert "CALLERS PersistentAsyncCaller PersistentAsyncCaller" in outputs[0], outputs[0]
+    assert "CALLERS TemporalAsyncCaller TemporalAsyncCaller" in outputs[1], outputs[1]
+    assert "exited with code -9 while booting; every async save forks a worker of its own" in outputs[1], outputs[1]

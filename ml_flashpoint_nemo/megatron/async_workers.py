@@ -1,4 +1,11 @@
-"""Stopping the worker processes of a Megatron AsyncCallsQueue without collectives.
+"""Megatron AsyncCallsQueue workers: a persistent worker started early, and stopping workers without collectives.
+
+Megatron spawns the persistent worker at the first save, so the first version waits seconds
+for the worker's interpreter to boot (importing torch and Megatron), and the worker is tied
+to the trainer only once it runs a job of ours. PersistentWorkerQueue starts it at trainer
+set-up, from the main thread: it boots while the model is built, dies with the trainer from
+the start, does not re-run the training script's top level, and saves made before it is up
+fork a worker each instead of waiting.
 
 Megatron's own ``AsyncCallsQueue.close(abort=True)`` stops a persistent worker but leaves
 the forked worker of every unfinalized temporal call running, and both of Megatron's
@@ -10,13 +17,94 @@ teardown after a failure need the workers gone regardless, so this stops them di
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import os
 from typing import Any
 
-from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, PersistentAsyncCaller
+import torch.distributed as dist
+from megatron.core.dist_checkpointing.strategies.async_utils import (
+    AsyncCallsQueue,
+    PersistentAsyncCaller,
+    TemporalAsyncCaller,
+)
+
+from ml_flashpoint_nemo.core.manager import main_module_not_reimported
+from ml_flashpoint_nemo.core.parent_death import tie_to_parent
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_GRACE_S = 5.0
+
+
+class PersistentWorkerQueue(AsyncCallsQueue):
+    """Megatron's AsyncCallsQueue(persistent=True), with the worker started ahead of its first save.
+
+    Until the worker has booted, each save forks a worker of its own (Megatron's temporal
+    caller), so no save waits for the boot; after that every save goes to the persistent
+    worker, which costs the trainer no fork. Finalization stays in scheduling order: Megatron
+    asks each call's own caller whether it is done, oldest call first.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(persistent=True)
+        self._started: tuple[Any, Any] | None = None  # (the caller we started, the event its worker sets when up)
+        self._boot_failure: str | None = None  # set once a worker died before it was up: no more tries
+
+    def start_worker(self) -> bool:
+        """Spawn the persistent worker now if none runs; True if it started one.
+
+        Call it from the thread that lives as long as the trainer (the main thread): the worker
+        gets SIGKILL when the thread that started it ends. Costs the caller a few milliseconds;
+        the boot (importing torch and Megatron) happens in the worker.
+        """
+        caller = self.persistent_caller
+        if caller is not None and self._started is not None and self._started[0] is caller and caller.process:
+            return False
+        caller = self.persistent_caller = PersistentAsyncCaller()
+        context = multiprocessing.get_context("spawn")
+        ready = context.Event()
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+        caller.process = context.Process(
+            target=_tied_async_loop, name=f"flashpoint-save-worker-{rank}",
+            args=(os.getpid(), ready, rank, caller.queue, caller.preload_q, caller.comp_q, logger.getEffectiveLevel()),
+        )
+        with main_module_not_reimported():  # the worker needs nothing of the training script
+            caller.process.start()
+        self._started = (caller, ready)
+        logger.debug("Persistent async-save worker of rank %d started (pid %d)", rank, caller.process.pid)
+        return True
+
+    def worker_ready(self, timeout: float | None = 0.0) -> bool:
+        """Whether the persistent worker is up, waiting up to timeout seconds (None: without bound)."""
+        if self._started is None or self._started[0] is not self.persistent_caller:
+            return False
+        return bool(self._started[1].wait(timeout))
+
+    def _get_async_caller(self) -> Any:
+        if self.worker_ready():
+            return self.persistent_caller
+        if self._boot_failure is None:
+            self._boot_failure = self._died_booting()
+            if self._boot_failure is None:
+                self.start_worker()  # no-op while it boots; again after stop_async_workers dropped it
+            else:
+                logger.warning("%s; every async save forks a worker of its own from now on", self._boot_failure)
+        return TemporalAsyncCaller()
+
+    def _died_booting(self) -> str | None:
+        process = self._started[0].process if self._started is not None else None
+        if process is None or process.is_alive() or self.worker_ready():
+            return None
+        return f"The persistent async-save worker (pid {process.pid}) exited with code {process.exitcode} while booting"
+
+
+def _tied_async_loop(trainer_pid: int, ready: Any, rank: int, *channels_and_level: Any) -> None:
+    """The worker's main: tie it to the trainer, load what every save runs, say it is up, serve Megatron's loop."""
+    tie_to_parent(trainer_pid, watchdog_name="flashpoint-save-worker-watchdog")
+    import ml_flashpoint_nemo.megatron.strategies  # noqa: F401 - the first save's unpickling would import it
+
+    ready.set()
+    PersistentAsyncCaller.async_loop(rank, *channels_and_level)
 
 
 def stop_async_workers(queue: AsyncCallsQueue, *, grace_s: float = DEFAULT_GRACE_S) -> int:
@@ -45,13 +133,13 @@ def stop_async_workers(queue: AsyncCallsQueue, *, grace_s: float = DEFAULT_GRACE
 
 
 def dead_persistent_worker(queue: AsyncCallsQueue) -> str | None:
-    """Why `queue`'s persistent worker can no longer finish its calls (None: it can, or there is none).
+    """Why `queue`'s persistent worker can no longer finish its calls (None: it can, or it has none).
 
     Megatron never checks: its blocking finalize polls for the dead worker's completions forever.
     """
     caller = queue.persistent_caller
     process = getattr(caller, "process", None)
-    if process is None or process.is_alive():
+    if process is None or process.is_alive() or not any(call.async_caller is caller for call in queue.async_calls):
         return None
     return f"its persistent save worker (pid {process.pid}) exited with code {process.exitcode}"
 

@@ -42,6 +42,8 @@ class FlashpointCallback(Callback):
         from ml_flashpoint_nemo.nemo.wrap import wrap_trainer_with_flashpoint
 
         wrap_trainer_with_flashpoint(trainer, base_dir=self.base_dir, _callback=self, **self.options)
+        if stage == "fit" and self.io is not None:
+            self.io.start_worker()  # in each rank's process, from its main thread, before the model is built
 
     def attach(self, settings: FlashpointSettings, io: Any) -> None:
         self.settings, self.io = settings, io

@@ -34,14 +34,14 @@ from nemo.utils.callbacks.dist_ckpt_io import AsyncFinalizableCheckpointIO
 
 from ml_flashpoint_nemo.core import lifecycle
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
-from ml_flashpoint_nemo.core.manager import ManagerFuture, main_module_not_reimported
+from ml_flashpoint_nemo.core.manager import ManagerFuture
 from ml_flashpoint_nemo.core.space import check_room_on_every_rank
 from ml_flashpoint_nemo.core.topology import any_rank, problems_of_every_rank
 from ml_flashpoint_nemo.core.versions import read_commit, retire_version
 from ml_flashpoint_nemo.dcp.storage_info import step_of_checkpoint_id
 from ml_flashpoint_nemo.dcp.writer import release_process_savers
 from ml_flashpoint_nemo.errors import BaseDirError, FlashpointError, OutOfSpaceError, TrainerSetupError
-from ml_flashpoint_nemo.megatron.async_workers import dead_persistent_worker, stop_async_workers
+from ml_flashpoint_nemo.megatron.async_workers import PersistentWorkerQueue, dead_persistent_worker, stop_async_workers
 from ml_flashpoint_nemo.megatron.strategies import FlashpointSaveStrategy
 from ml_flashpoint_nemo.nemo.settings import FlashpointSettings
 from ml_flashpoint_nemo.replication.service import ReplicationConfig
@@ -93,7 +93,7 @@ class FlashpointCheckpointIO(AsyncFinalizableCheckpointIO):
             keep=settings.keep, checksum=settings.checksum, threads=settings.threads, manager_future=manager_future,
             replication=ReplicationConfig(factor=settings.replication_factor),
         )
-        self.flashpoint_queue = AsyncCallsQueue(persistent=settings.persistent_worker)
+        self.flashpoint_queue = PersistentWorkerQueue() if settings.persistent_worker else AsyncCallsQueue()
         if not settings.persistent_worker and sys.version_info < FORK_SAFE_PYTHON:
             _warn_fork_can_deadlock()
         self.outcomes: list[SaveOutcome] = []  # finalized saves not yet reported by the callback
@@ -180,10 +180,13 @@ class FlashpointCheckpointIO(AsyncFinalizableCheckpointIO):
         request.add_finalize_fn(lambda: self.outcomes.append(self._outcome(self._pending.popleft()[0], blocking)))
         self._pending.append((step, time.monotonic()))
         lifecycle.register(self, _close_dropping_saves, first=True)  # again, in case it was closed and is used once more
-        # The persistent worker is spawned at the first save; it needs nothing of the training script, and
-        # re-running the script's top level there would cost seconds (or, unguarded, start a second trainer).
-        with main_module_not_reimported():
-            self.flashpoint_queue.schedule_async_request(request)
+        self.flashpoint_queue.schedule_async_request(request)
+
+    def start_worker(self) -> None:
+        """Spawn the persistent save worker now (main thread, at trainer set-up), so that it boots while the
+        model is built; no-op when it runs or is not used. Saves before it is up fork a worker each."""
+        if self.settings.enabled and isinstance(self.flashpoint_queue, PersistentWorkerQueue) and self._async:
+            self.flashpoint_queue.start_worker()
 
     @property
     def _async(self) -> bool:

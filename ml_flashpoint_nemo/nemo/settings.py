@@ -23,7 +23,7 @@ class FlashpointOptions:
     threads: int | None = None
     async_save: bool | None = None  # None: follow the strategy's ckpt_async_save
     checksum: bool = True
-    persistent_worker: bool = False  # True: one spawned worker for every save, instead of a fork per save
+    persistent_worker: bool = True  # one spawned worker for every save; False: a fork per save (blocks longer)
     worker_timeout_s: float = 600.0  # a background write not done by then is stopped and fails on every rank
     parallel_save: bool = True  # spread replicated tensors over the data-parallel ranks
     enabled: bool = True

@@ -57,7 +57,7 @@ def wrap_trainer_with_flashpoint(
     /dev/shm/ml_flashpoint/<job id from SLURM / torchelastic / ...>. Options (keywords):
     every_n_steps (50), skip_durable_steps (True), keep (1), replication_factor (2),
     threads, async_save (None: as the strategy's ckpt_async_save), checksum (True),
-    persistent_worker (False), worker_timeout_s (600), parallel_save (True), enabled (True), resume (True).
+    persistent_worker (True), worker_timeout_s (600), parallel_save (True), enabled (True), resume (True).
     Calling it again on the same trainer returns the same callback and changes nothing.
     """
     wiring: FlashpointWiring | None = getattr(trainer, "_flashpoint", None)

@@ -249,7 +249,7 @@ def main() -> None:
 
         tiny_gpt.make_trainer = make_trainer_for_this_iteration  # nemo_train imports tiny_gpt: the same module
         sys.argv = [nemo_train.__file__, "--steps", str(args.steps), "--every", str(args.every), "--async-save",
-                    "--out", str(out), "--base", str(base)]
+                    "--save-worker-up", "--out", str(out), "--base", str(base)]
         try:
             nemo_train.main()
         except Exception:

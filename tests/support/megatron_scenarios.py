@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -31,6 +32,7 @@ from ml_flashpoint_nemo.core.version_files import MEGATRON_CONFIG_BYTES, MEGATRO
 from ml_flashpoint_nemo.megatron import FlashpointLoadStrategy, FlashpointSaveStrategy  # noqa: E402
 from tests.support import manager_hooks  # noqa: E402
 from tests.support.multiproc import expect_failure, scenario_main  # noqa: E402
+from tests.support.orphans import wait_gone  # noqa: E402
 
 ROWS_PER_RANK = 4
 
@@ -288,10 +290,56 @@ def hung_worker_fails_its_save_within_the_timeout(p: dict[str, Any]) -> None:
     close_and_report(io, p, loaded_step=3)
 
 
+def saves_fork_until_the_persistent_worker_is_up(p: dict[str, Any]) -> None:
+    """The IO starts its persistent worker at set-up; a save made while it boots forks a worker of its own,
+    the saves after it is up run on it; all finalize in order, the newest loads bit-exactly, close stops it."""
+    io = nemo_io(p)
+    queue = io.flashpoint_queue
+    started = time.perf_counter()
+    io.start_worker()
+    print(f"START took {(time.perf_counter() - started) * 1e3:.1f} ms", flush=True)
+    callers = []
+    for step in (1, 2, 3):
+        save_through(io, p, step)  # step 1: milliseconds after the start, the worker is still booting
+        callers.append(type(queue.async_calls[-1].async_caller).__name__)
+        if step == 1:
+            assert queue.worker_ready(timeout=120), "the persistent worker did not come up"
+            dist.barrier()
+    print("CALLERS", " ".join(callers), flush=True)
+    worker = queue.persistent_caller.process.pid
+    close_and_report(io, p, loaded_step=3)
+    print("WORKER GONE", wait_gone(worker, 10), flush=True)
+
+
+def worker_dead_while_booting_leaves_saves_to_forks(p: dict[str, Any]) -> None:
+    """Rank 1's persistent worker dies before it is up (killed at boot): rank 1's saves fork a worker each
+    from then on, rank 0's run on its worker, and none fails (no save was ever given to the dead worker)."""
+    logging.getLogger("ml_flashpoint_nemo").addHandler(logging.StreamHandler(sys.stdout))  # the warning, to assert
+    io = nemo_io(p)
+    io.start_worker()
+    if dist.get_rank() == 1:
+        worker = io.flashpoint_queue.persistent_caller.process
+        worker.kill()
+        worker.join(10)
+    else:
+        assert io.flashpoint_queue.worker_ready(timeout=120)
+    dist.barrier()
+    callers = []
+    for step in (1, 2):
+        save_through(io, p, step)
+        callers.append(type(io.flashpoint_queue.async_calls[-1].async_caller).__name__)
+        io.finalize_flashpoint(blocking=True)
+    print("CALLERS", " ".join(callers), flush=True)
+    close_and_report(io, p, loaded_step=2)
+
+
 def dead_persistent_worker_drops_its_saves_everywhere(p: dict[str, Any]) -> None:
     """Rank 1's persistent worker is SIGKILLed between saves (an OOM kill): the next blocking finalize
     must not wait for it forever; its save fails on every rank and the save after it gets a new worker."""
     io = nemo_io(p, persistent_worker=True)
+    io.start_worker()
+    assert io.flashpoint_queue.worker_ready(timeout=120), "the persistent worker did not come up"
+    dist.barrier()
     save_through(io, p, 1)
     io.finalize_flashpoint(blocking=True)
     if dist.get_rank() == 1:
@@ -355,4 +403,6 @@ if __name__ == "__main__":
                                            common_state_on_every_node, failed_node_copy_fails_every_rank, choose,
                                            close_commits_the_saves_after_a_failed_one,
                                            dead_persistent_worker_drops_its_saves_everywhere,
+                                           saves_fork_until_the_persistent_worker_is_up,
+                                           worker_dead_while_booting_leaves_saves_to_forks,
                                            hung_worker_fails_its_save_within_the_timeout)})

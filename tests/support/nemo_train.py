@@ -30,6 +30,9 @@ def main() -> None:
     parser.add_argument("--route", choices=("none", "wrap", "callback_config"), default="wrap")
     parser.add_argument("--async-save", action="store_true", help="the strategy's ckpt_async_save (durable and RAM)")
     parser.add_argument("--csv-logger", default=None, help="give the trainer a Lightning CSVLogger writing here")
+    parser.add_argument("--save-worker-up", action="store_true",
+                        help="train only once the persistent save worker is up, as a job whose first save comes "
+                             "minutes after set-up has it (this tiny model saves within a second of starting)")
     args = parser.parse_args()
     args.base = args.base.replace("{rank}", os.environ.get("RANK", "0"))
     sys.path.insert(0, str(EXAMPLES))
@@ -52,8 +55,14 @@ def main() -> None:
             if trainer.global_step == args.kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
 
+    class SaveWorkerUp(pl.Callback):
+        def on_train_start(self, trainer: Any, *unused: Any) -> None:
+            queue = trainer._flashpoint.io.flashpoint_queue
+            assert queue.worker_ready(timeout=120), "the persistent save worker did not come up in 120 s"
+
     recorder = tiny_gpt.LossRecorder()
     callbacks: list[Any] = [recorder] + ([KillAfter()] if args.kill_at else [])
+    callbacks += [SaveWorkerUp()] if args.save_worker_up else []
     options = {"every_n_steps": args.every, "keep": args.keep}
     if args.route == "callback_config":  # what a recipe's trainer.callbacks entry becomes
         callbacks.append(build(run.Config(FlashpointCallback, base_dir=args.base, **options)))
