@@ -19,7 +19,7 @@ newest durable copy, else step 0) and trains to the end. A run is then:
 Faults are drawn round-robin over the kinds (so N >= number of kinds covers each) with random
 rank, step and timing:
 
-    python benchmarks/fault_campaign.py --runs 100 --json [--seed 1] [--timeout 120]
+    python benchmarks/fault_campaign.py --runs 100 --json [--seed 1] [--timeout 120] [--worker fork]
 
 Exit status 1 when any run was a wrong load, a hang or an error. ENOSPC runs mount a small tmpfs
 and are skipped (counted as such) without the privilege to mount.
@@ -179,6 +179,7 @@ class Campaign:
         """Run both ranks once; returns (worst exit code, seconds), code None when it hung."""
         params = {"bases": [str(b) for b in bases], "durable": str(run_dir / "durable"), "run_dir": str(run_dir),
                   "steps": STEPS, "incarnation": incarnation, "fault": fault, "flashpoint": flashpoint,
+                  "worker": self.args.worker,
                   "stack_dump_after_s": max(1.0, self.args.timeout - 15)}
         started = time.monotonic()
         try:
@@ -300,6 +301,7 @@ def summarize(runs: list[dict[str, Any]], seconds: float, args: argparse.Namespa
     return {
         "runs": len(runs),
         "seed": args.seed,
+        "worker": args.worker,
         "seconds": round(seconds, 1),
         "recovered_newest": outcomes["recovered_newest"],
         "fell_back": outcomes["fell_back"],
@@ -324,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ram-dir", default="/dev/shm", help="tmpfs for the nodes' base directories")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON (else a table)")
     parser.add_argument("--keep", action="store_true", help="keep every run's files (logs, ledgers, RAM)")
+    parser.add_argument("--worker", choices=("persistent", "fork"), default="persistent",
+                        help="async saves on the NeMo IO's default persistent worker (up before training) or on a "
+                             "worker forked per save (persistent_worker=False)")
     args = parser.parse_args(argv)
     kinds = [k for k in args.kinds.split(",") if k]
     unknown = sorted(set(kinds) - set(KINDS))

@@ -3,8 +3,10 @@
 Training is real and distributed: a row-parallel linear layer (each rank holds ROWS rows of the
 weight) with a replicated input bias whose gradient is all-reduced, SGD with momentum, data drawn
 from a generator seeded by the step, so every run computes bit-identical states. Every step is
-saved to RAM through megatron.core.dist_checkpointing with FlashpointSaveStrategy (async, on a
-Megatron AsyncCallsQueue, finalized at the next step), each rank being its own "node" with its
+saved to RAM through megatron.core.dist_checkpointing with FlashpointSaveStrategy (async, finalized
+at the next step; on the NeMo IO's default PersistentWorkerQueue, whose worker is up before training
+starts, or with "worker": "fork" a Megatron AsyncCallsQueue forking a worker per save), each rank
+being its own "node" with its
 own base directory and replication factor 2; every DURABLE_EVERY steps a durable copy goes to
 disk with torch.save. Before a step's state is saved its SHA-256 is appended to this rank's
 ledger, so the driver can check any later load against what was saved.
@@ -13,7 +15,8 @@ A run starts by recovering (recovery.choose_version on the RAM versions, else th
 copy, else step 0), writes what it loaded and its digest to result-rank<r>-inc<i>.json, trains to
 --steps and writes the final digest. Faults (incarnation 0 only) are injected by wrapping the
 product's own functions in this process: a SIGKILL before or after staging, the background
-write, the commit, the node copy or a replication push; a SIGKILL of the receiving peer; a
+write (for the spawned persistent worker, the request carries the fault: campaign_worker_faults),
+the commit, the node copy or a replication push; a SIGKILL of the receiving peer; a
 SIGKILL at a random time; a full tmpfs (a ballast file); a Manager whose process cannot start.
 """
 
@@ -48,12 +51,15 @@ from ml_flashpoint_nemo.core.recovery import choose_version  # noqa: E402
 from ml_flashpoint_nemo.core.space import check_room_on_every_rank  # noqa: E402
 from ml_flashpoint_nemo.errors import FlashpointError  # noqa: E402
 from ml_flashpoint_nemo.megatron import FlashpointLoadStrategy, FlashpointSaveStrategy  # noqa: E402
+from ml_flashpoint_nemo.megatron.async_workers import PersistentWorkerQueue  # noqa: E402
+from campaign_worker_faults import KillRankAroundWrite  # noqa: E402 - benchmarks/ is the script's directory
 from ml_flashpoint_nemo.replication import ReplicationConfig  # noqa: E402
 
 ROWS, COLS, BATCH = 1024, 2048, 32  # 8 MiB of weight + 8 MiB of momentum per rank
 DURABLE_EVERY = 4
 LR, MOMENTUM = 0.01, 0.9
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
+WORKER_BOOT_TIMEOUT_S = 60.0
 log = logging.getLogger("fault_campaign_rank")
 
 
@@ -203,8 +209,10 @@ def install_fault(fault: dict[str, Any], p: dict[str, Any], peer_pids: list[int]
     kind = fault["kind"]
     if kind == "kill_stage":
         wrap(strategies._StagingWriter, "_stage", fault)
-    elif kind == "kill_write":
+    elif kind == "kill_write" and p["worker"] == "fork":
         wrap(worker_reports, "seal_object", fault)
+    elif kind == "kill_write":
+        pass  # a spawned worker does not see patches: the request of the fault's step carries it (main)
     elif kind == "kill_commit":
         wrap(dcp_writer, "write_commit", fault)
     elif kind == "kill_node_copy":
@@ -266,6 +274,26 @@ def finalize(queue: AsyncCallsQueue, blocking: bool) -> list[str]:
     return failures
 
 
+def start_save_queue(worker: str) -> AsyncCallsQueue:
+    """The IO's default PersistentWorkerQueue, its worker started now (it boots during recovery), or a fork per save."""
+    if worker == "fork":
+        return AsyncCallsQueue()
+    queue = PersistentWorkerQueue()
+    queue.start_worker()
+    return queue
+
+
+def wait_for_worker(queue: AsyncCallsQueue) -> None:
+    """Train once the persistent worker is up, so that the saves use it; a worker that died booting (the
+    Manager fault breaks every spawn) leaves the saves to forked workers, as in the product."""
+    if not isinstance(queue, PersistentWorkerQueue):
+        return
+    deadline = time.monotonic() + WORKER_BOOT_TIMEOUT_S
+    while not queue.worker_ready(timeout=0.1) and queue.persistent_caller.process.is_alive():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the persistent save worker was not up within {WORKER_BOOT_TIMEOUT_S} s")
+
+
 def main() -> None:
     global CURRENT_STEP
     p = json.loads(sys.argv[1])
@@ -282,6 +310,9 @@ def main() -> None:
     fault = p.get("fault") if p["incarnation"] == 0 else None
     if fault is not None and fault["rank"] == rank:
         install_fault(fault, p, pids)
+    queue = start_save_queue(p["worker"] if p["flashpoint"] else "fork")  # the reference run saves nothing
+    write_fault = fault if fault is not None and fault["rank"] == rank and fault["kind"] == "kill_write" \
+        and p["worker"] != "fork" else None
     run_dir = Path(p["run_dir"])
     started = time.monotonic()
     resumed, source = recover(model, p) if p["flashpoint"] else (0, "scratch")
@@ -292,7 +323,7 @@ def main() -> None:
 
     strategy = FlashpointSaveStrategy(replication=ReplicationConfig(factor=2, connect_timeout_s=2.0, io_timeout_s=10.0,
                                                                     retries=1, backoff_s=0.1))
-    queue = AsyncCallsQueue(persistent=False)
+    wait_for_worker(queue)
     ledger = open(run_dir / f"ledger-rank{rank}.jsonl", "a")  # noqa: SIM115 - lives as long as the run
     ballast = None
     failures: list[str] = []
@@ -323,6 +354,10 @@ def main() -> None:
             print(f"SAVE FAILED: {type(exc).__name__}: {exc}", flush=True)
             failures.append(str(exc))
         else:
+            if write_fault is not None and step >= write_fault["step"]:
+                request = request._replace(async_fn=KillRankAroundWrite(request.async_fn, write_fault["when"], step,
+                                                                         os.getpid()))
+                write_fault = None
             queue.schedule_async_request(request)
         if fault is not None and fault.get("stop_after") == step:
             failures += finalize(queue, blocking=True)  # collective: the save of this step committed (or failed)

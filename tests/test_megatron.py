@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import time
 
 import pytest
 
@@ -162,6 +163,21 @@ def test_saves_fork_until_the_prestarted_persistent_worker_is_up_then_use_it(bas
         assert "OUTCOMES 1:ok 2:ok 3:ok" in output, output
         assert "WORKER GONE True" in output, output
         assert float(re.search(r"START took ([\d.]+) ms", output).group(1)) < 100, output
+
+
+def test_closing_the_queue_of_a_worker_that_died_booting_returns():
+    """Megatron's close would join the dead worker's queue forever (the campaign's Manager fault found it)."""
+    from ml_flashpoint_nemo.megatron.async_workers import PersistentWorkerQueue
+
+    queue = PersistentWorkerQueue()
+    queue.start_worker()
+    worker = queue.persistent_caller.process
+    worker.kill()
+    worker.join(10)
+    started = time.monotonic()
+    queue.close()
+    assert time.monotonic() - started < 5
+    assert queue.persistent_caller is None
 
 
 def test_a_persistent_worker_dead_while_booting_leaves_saves_to_forked_workers(base_dir):

@@ -80,6 +80,13 @@ class PersistentWorkerQueue(AsyncCallsQueue):
             return False
         return bool(self._started[1].wait(timeout))
 
+    def close(self, abort: bool = False) -> None:
+        """Megatron's close (finalizing first unless abort), but a worker that died or never booted cannot
+        make it wait forever: Megatron's own joins the worker's queue, which only a live worker empties."""
+        if not abort:
+            self.maybe_finalize_async_calls(blocking=True)
+        stop_async_workers(self)
+
     def _get_async_caller(self) -> Any:
         if self.worker_ready():
             return self.persistent_caller
