@@ -60,13 +60,14 @@ def test_quickstart_recovers_from_ram_bit_exact(tmp_path):
 @pytest.mark.parametrize(
     "case, ram_every, kill_at, expected",
     [
-        ("ram newer", 2, 5, ("ram", "step-4")),  # RAM step 4, durable step 3
-        ("ram lost", 2, 5, ("durable", "step=2")),  # durable step 3 (NeMo names it step=2)
-        ("durable newer", 4, 7, ("durable", "step=5")),  # RAM step 4, durable step 6
+        ("ram newer", 2, 5, ("ram", ["step-4"])),  # RAM step 4, durable step 3
+        ("ram lost", 2, 5, ("durable", ["step=2"])),  # durable step 3 (NeMo names it step=2)
+        ("durable newer", 4, 7, ("durable", ["step=5"])),  # RAM step 4, durable step 6
         # async saves: the SIGKILL leaves NeMo's newest "-last" checkpoint unfinished, so NeMo's AutoResume
-        # refuses to resume at all; FlashpointAutoResume resumes from RAM. The RAM save of step 4 was not
-        # finalized yet (the kill comes first in step 5's callbacks), so step 2 is the newest committed.
-        ("async durable unfinished", 2, 5, ("ram", "step-2")),
+        # refuses to resume at all; FlashpointAutoResume resumes from RAM. The kill comes first in step 5's
+        # batch-end callbacks; the RAM save of step 4 is committed only if NeMo's async finalizer callback
+        # found its write done at step 5's start, else step 2 is the newest committed.
+        ("async durable unfinished", 2, 5, ("ram", ["step-2", "step-4"])),
     ],
 )
 def test_durable_checkpoint_is_the_fallback_and_the_newer_one_wins(reference, tmp_path, shm_dir, case, ram_every,
@@ -79,8 +80,9 @@ def test_durable_checkpoint_is_the_fallback_and_the_newer_one_wins(reference, tm
         for version in shm_dir.glob("step-*"):
             subprocess.run(["rm", "-rf", str(version)], check=True)
     resumed = train(tmp_path, "resume", shm_dir, *flags)
-    source, path_part = expected
-    assert resumed["resumed_from"] == source and path_part in resumed["resumed_path"], resumed["resumed_path"]
+    source, path_parts = expected
+    assert resumed["resumed_from"] == source, resumed["resumed_path"]
+    assert any(part in resumed["resumed_path"] for part in path_parts), resumed["resumed_path"]
     if case == "ram lost":
         assert "falling back to the durable checkpoint" in resumed["log"]
     if case.startswith("async"):
