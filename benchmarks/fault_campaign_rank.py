@@ -226,14 +226,18 @@ def install_fault(fault: dict[str, Any], p: dict[str, Any], peer_pids: list[int]
             os.kill(peer, signal.SIGKILL)
         wrap(ReplicationService, "_push_object", dict(fault, when="before"), kill_peer, step_of=push_step)
     elif kind == "kill_random":
-        def later() -> None:
-            time.sleep(fault["delay_s"])
-            die(f"at a random time ({fault['delay_s']:.2f}s into training)")
-        threading.Thread(target=later, daemon=True).start()
+        pass  # armed when training starts (arm_random_kill), not while the rank recovers or its worker boots
     elif kind == "manager_fail":  # a real start failure: the spawned interpreter cannot run
         multiprocessing.set_executable("/bin/false")
     elif kind != "enospc" and not kind.startswith(("flip_", "wipe_")):
         raise ValueError(f"unknown fault kind {kind!r}")
+
+
+def arm_random_kill(fault: dict[str, Any]) -> None:
+    def later() -> None:
+        time.sleep(fault["delay_s"])
+        die(f"at a random time ({fault['delay_s']:.2f}s into training)")
+    threading.Thread(target=later, daemon=True).start()
 
 
 def fill_tmpfs(base: str) -> Path:
@@ -324,6 +328,8 @@ def main() -> None:
     strategy = FlashpointSaveStrategy(replication=ReplicationConfig(factor=2, connect_timeout_s=2.0, io_timeout_s=10.0,
                                                                     retries=1, backoff_s=0.1))
     wait_for_worker(queue)
+    if fault is not None and fault["rank"] == rank and fault["kind"] == "kill_random":
+        arm_random_kill(fault)
     ledger = open(run_dir / f"ledger-rank{rank}.jsonl", "a")  # noqa: SIM115 - lives as long as the run
     ballast = None
     failures: list[str] = []
