@@ -16,6 +16,8 @@ DESIGN.md §3 and §8 give the budgets this script checks; every line has `targe
                      Budget: blocking <= 1.1x the faster of the two staging copies
                      (torch's threads can stall in OpenMP on a busy machine). Measured with
                      Python's GC on (the budget) and off (gc_off_*, as trainers often run).
+                     worker_start_seconds: how long starting the persistent worker blocked
+                     the caller (its boot runs in the worker).
 - dcp_save_vs_core   dcp.save with a reused MemoryStorageWriter vs CheckpointSaver.save.
 - dcp_load_vs_core   dcp.load with MemoryStorageReader vs load_version, both into
                      pre-allocated tensors. Budget for both: DCP adds <= 10%.
@@ -271,8 +273,10 @@ def new_parts() -> Parts:
 
 def bench_async_blocking(
     bench: Bench, dest: State, *, persistent: bool = True, validate_once: bool = False
-) -> tuple[tuple[Result, Parts], tuple[Result, Parts]]:
+) -> tuple[tuple[Result, Parts], tuple[Result, Parts], float | None]:
     """Megatron async save + AsyncCallsQueue scheduling, timed (the finalize is not); with Python's GC on, then off.
+
+    Also returns the seconds PersistentWorkerQueue.start_worker() took to return (None: fork per save).
 
     Each pass also returns the seconds of the parts of its saves. GC off is how trainers often
     run (NeMo's GarbageCollectionCallback, Megatron's --manual-gc); with it on, a save may
@@ -283,8 +287,11 @@ def bench_async_blocking(
     manager = start_manager_warmup()  # as trainer set-up does, off the critical path
     strategy = FlashpointSaveStrategy(manager_future=manager)
     queue = PersistentWorkerQueue() if persistent else AsyncCallsQueue()
+    worker_start = None
     if persistent:  # as the IO does at trainer set-up; the timed saves measure the worker once it is up
+        began = time.perf_counter()
         queue.start_worker()
+        worker_start = time.perf_counter() - began
         if not queue.worker_ready(timeout=WORKER_BOOT_TIMEOUT_S):
             raise RuntimeError(f"the persistent save worker was not up within {WORKER_BOOT_TIMEOUT_S} s")
     saves = count()
@@ -330,11 +337,12 @@ def bench_async_blocking(
     finally:
         shutdown_manager(manager)
         shutil.rmtree(base, ignore_errors=True)
-    return gc_on, gc_off
+    return gc_on, gc_off, worker_start
 
 
 def blocking_row(gc_on: tuple[Result, Parts], gc_off: tuple[Result, Parts], staging: Result,
-                 staging_1thread: Result, *, persistent: bool, validate_once: bool) -> Row:
+                 staging_1thread: Result, *, persistent: bool, validate_once: bool,
+                 worker_start: float | None) -> Row:
     """The budget is checked with GC on, against the faster of the two staging copies (the stricter reference).
 
     With torch's default threads on a busy 2-core machine, copy_ can stall in OpenMP and take
@@ -355,7 +363,9 @@ def blocking_row(gc_on: tuple[Result, Parts], gc_off: tuple[Result, Parts], stag
         gc_off_ratio_blocking_over_staging=round(result_gc_off.seconds / reference.seconds, 3),
         **{f"gc_off_{k}": v for k, v in blocking_parts(result_gc_off, parts_gc_off).items()},
         copy_threads=default_copy_threads(), warmup_saves=WARMUP_SAVES, megatron_cpu_shim=MEGATRON_CPU_SHIM,
-        persistent_worker=persistent, validate_access_integrity="first save only" if validate_once else "every save",
+        persistent_worker=persistent,
+        worker_start_seconds=None if worker_start is None else round(worker_start, 6),
+        validate_access_integrity="first save only" if validate_once else "every save",
         note="seconds = dist_checkpointing.save(async_sharded_save=True) + "
         f"{'PersistentWorkerQueue (worker up)' if persistent else 'AsyncCallsQueue (fork per save)'}"
         ".schedule_async_request; stage_copy_seconds = CheckpointSaver.stage_object inside "
@@ -611,9 +621,10 @@ def run_all(args: argparse.Namespace, workdir: Path) -> list[Row]:
         rows.append(staging_row(staging, staging_1thread))
         validate_once = not args.validate_every_save
         persistent = not args.fork_per_save
-        blocking = bench_async_blocking(bench, dest, persistent=persistent, validate_once=validate_once)
-        rows.append(blocking_row(*blocking, staging, staging_1thread, persistent=persistent,
-                                 validate_once=validate_once))
+        gc_on, gc_off, worker_start = bench_async_blocking(bench, dest, persistent=persistent,
+                                                           validate_once=validate_once)
+        rows.append(blocking_row(gc_on, gc_off, staging, staging_1thread, persistent=persistent,
+                                 validate_once=validate_once, worker_start=worker_start))
         rows += bench_dcp_vs_core(bench, dest)
     return sorted(rows, key=lambda r: ROW_ORDER.index(r["name"]))
 

@@ -162,7 +162,6 @@ def test_saves_fork_until_the_prestarted_persistent_worker_is_up_then_use_it(bas
         assert "CALLERS TemporalAsyncCaller PersistentAsyncCaller PersistentAsyncCaller" in output, output
         assert "OUTCOMES 1:ok 2:ok 3:ok" in output, output
         assert "WORKER GONE True" in output, output
-        assert float(re.search(r"START took ([\d.]+) ms", output).group(1)) < 100, output
 
 
 def test_closing_the_queue_of_a_worker_that_died_booting_returns():

@@ -81,8 +81,10 @@ class PersistentWorkerQueue(AsyncCallsQueue):
         return bool(self._started[1].wait(timeout))
 
     def close(self, abort: bool = False) -> None:
-        """Megatron's close (finalizing first unless abort), but a worker that died or never booted cannot
-        make it wait forever: Megatron's own joins the worker's queue, which only a live worker empties."""
+        """Megatron's close (finalizing first unless abort), but stopping the workers cannot wait forever on a
+        worker that died or never booted: Megatron's own joins the worker's queue, which only a live worker
+        empties. Saves already given to a dead worker still block the finalize (Megatron's); the NeMo IO
+        bounds that with its own finalize and closes with stop_async_workers."""
         if not abort:
             self.maybe_finalize_async_calls(blocking=True)
         stop_async_workers(self)

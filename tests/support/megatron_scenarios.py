@@ -295,9 +295,7 @@ def saves_fork_until_the_persistent_worker_is_up(p: dict[str, Any]) -> None:
     the saves after it is up run on it; all finalize in order, the newest loads bit-exactly, close stops it."""
     io = nemo_io(p)
     queue = io.flashpoint_queue
-    started = time.perf_counter()
-    io.start_worker()
-    print(f"START took {(time.perf_counter() - started) * 1e3:.1f} ms", flush=True)
+    io.start_worker()  # what it costs the trainer: benchmarks/bench_adapters.py, worker_start_seconds
     callers = []
     for step in (1, 2, 3):
         save_through(io, p, step)  # step 1: milliseconds after the start, the worker is still booting
