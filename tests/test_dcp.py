@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import ast
+import pickle
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -10,10 +14,13 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from ml_flashpoint_nemo.core import CheckpointSaver, committed_steps, verify_version
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
-from ml_flashpoint_nemo.dcp import MemoryStorageReader, MemoryStorageWriter
+from ml_flashpoint_nemo.core.version_files import FILES_KEY, describe_bytes
+from ml_flashpoint_nemo.core.versions import read_commit, write_commit
+from ml_flashpoint_nemo.dcp import MemoryStorageReader, MemoryStorageWriter, storage_info
 from ml_flashpoint_nemo.errors import BaseDirError, CorruptCheckpointError, UnsupportedValueError
 from tests.support.dcp_scenarios import reader_paths
 from tests.support.multiproc import run_world
@@ -170,3 +177,96 @@ def test_state_keys_that_would_share_a_record_are_refused(base_dir):
         dcp_without_process_group(lambda: dcp.save(clash, checkpoint_id=base_dir / "step-2", storage_writer=writer))
     writer.close()
     assert committed_steps(CheckpointLayout(base_dir)) == [1]
+
+
+# --- what .metadata holds ----------------------------------------------------------------------
+
+
+def save_single_process_version(base_dir: Path, step: int) -> dict[str, Any]:
+    state = single_process_state()
+    writer = MemoryStorageWriter(base_dir)
+    dcp_without_process_group(lambda: dcp.save(state, checkpoint_id=base_dir / f"step-{step}", storage_writer=writer))
+    writer.close()
+    return state
+
+
+def test_dcp_metadata_unpickles_with_torch_alone(base_dir):
+    """storage_data is plain (object name, record key) strings: a torch-only interpreter reads .metadata."""
+    save_single_process_version(base_dir, 1)
+    probe = (
+        "import pickle, sys, torch.distributed.checkpoint\n"
+        f"md = pickle.loads(open({str(base_dir / 'step-1' / '.metadata')!r}, 'rb').read())\n"
+        "assert not [m for m in sys.modules if m.startswith('ml_flashpoint_nemo')]\n"
+        "print(sorted((i.fqn, v) for i, v in md.storage_data.items()))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    listed = ast.literal_eval(out.stdout.strip().splitlines()[-1])
+    assert {fqn for fqn, _ in listed} == {"param", "bf16", "scalar", "empty", "transposed", "extra.note"}
+    assert {name for _, (name, _) in listed} == {"rank-00000-0.fpo"}
+    assert ("param", ("rank-00000-0.fpo", "param@0,0")) in listed
+
+
+class StorageInfoOfAnOlderRelease:
+    """Stands for the storage_data class earlier releases pickled into .metadata (gone from the package)."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+@pytest.mark.parametrize("kind", ["class_gone", "foreign_value"])
+def test_metadata_this_release_cannot_read_is_refused_and_nothing_is_loaded(base_dir, kind, monkeypatch):
+    """A version whose .metadata another release wrote (checksums intact) is refused with a clear error."""
+    state = save_single_process_version(base_dir, 1)
+    layout = CheckpointLayout(base_dir)
+    metadata_path = base_dir / "step-1" / ".metadata"
+    metadata = pickle.loads(metadata_path.read_bytes())
+    if kind == "class_gone":
+        monkeypatch.setattr(storage_info, "StorageInfoOfAnOlderRelease", StorageInfoOfAnOlderRelease, raising=False)
+        monkeypatch.setattr(StorageInfoOfAnOlderRelease, "__module__", storage_info.__name__)
+    metadata.storage_data = {i: StorageInfoOfAnOlderRelease(key) if kind == "class_gone" else {"key": key}
+                             for i, (_, key) in metadata.storage_data.items()}
+    encoded = pickle.dumps(metadata)
+    monkeypatch.undo()  # the class is gone again, as after an upgrade
+    metadata_path.write_bytes(encoded)
+    commit = read_commit(layout, 1)  # re-committed with the new file's checksum: only its content is foreign
+    files = dict(commit.metadata[FILES_KEY], **{".metadata": describe_bytes(encoded)})
+    write_commit(layout, 1, commit.objects, world_size=1, metadata={**commit.metadata, FILES_KEY: files})
+
+    dest = {k: torch.zeros_like(v) for k, v in state.items() if isinstance(v, torch.Tensor)}
+    expected = "does not unpickle here" if kind == "class_gone" else "not written by this ml_flashpoint_nemo"
+    with pytest.raises((CorruptCheckpointError, CheckpointException), match=expected):
+        dcp_without_process_group(lambda: dcp.load(dest, checkpoint_id=base_dir / "step-1",
+                                                   storage_reader=MemoryStorageReader(base_dir)))
+    assert all(not v.any() for v in dest.values())  # nothing half-loaded
+    assert verify_version(base_dir, 1).records == len(state)  # the objects are intact
+
+
+@pytest.mark.parametrize("plan_caching", [False, True])
+def test_metadata_bytes_are_reused_only_while_the_structure_repeats(base_dir, plan_caching):
+    """The coordinator reuses `.metadata`'s bytes for an equal Metadata; any change in structure re-encodes.
+
+    With torch's plan caching DCP hands finish the same Metadata object again: the reuse must not rest on it.
+    """
+    writer = MemoryStorageWriter(base_dir, keep=4)
+    gen = torch.Generator().manual_seed(11)
+    shapes = [{"w": (4, 3), "b": (3,)}, {"w": (4, 3), "b": (3,)}, {"w": (4, 3), "b": (5,)},
+              {"w": (4, 3), "b": (5,), "extra": (2,)}]
+    saved = []
+    for step, layout in enumerate(shapes, start=1):
+        state = {"model": {k: torch.randn(shape, generator=gen) for k, shape in layout.items()}}
+        planner = DefaultSavePlanner(enable_plan_caching=plan_caching)
+        dcp_without_process_group(lambda: dcp.save(state, checkpoint_id=base_dir / f"step-{step}",
+                                                   storage_writer=writer, planner=planner))
+        saved.append(state)
+    writer.close()
+    files = [(base_dir / f"step-{step}" / ".metadata").read_bytes() for step in range(1, 5)]
+    assert files[0] == files[1] and len({files[1], files[2], files[3]}) == 3
+    for step, state in enumerate(saved, start=1):
+        dest = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
+        reader = MemoryStorageReader(base_dir)
+        dcp_without_process_group(lambda: dcp.load(dest, checkpoint_id=base_dir / f"step-{step}",
+                                                   storage_reader=reader))
+        assert all(torch.equal(dest["model"][k], v) for k, v in state["model"].items()), step
+        meta = reader.read_metadata().storage_meta  # not in the file: from the path and the commit record
+        assert meta.checkpoint_id == str(base_dir / f"step-{step}") and meta.load_id == reader.load_id
+        assert meta.save_id == read_commit(CheckpointLayout(base_dir), step).metadata["save_id"]

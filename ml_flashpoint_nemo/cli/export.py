@@ -22,7 +22,6 @@ import argparse
 import dataclasses
 import io
 import os
-import pickle
 import shutil
 import signal
 import sys
@@ -105,20 +104,23 @@ def _plan_dcp_version(layout: Any, commit: Any) -> tuple[dict[str, list[_Read]],
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
     from ml_flashpoint_nemo.core.version_files import read_checked_file
-    from ml_flashpoint_nemo.dcp.storage_info import DCP_METADATA_NAME
+    from ml_flashpoint_nemo.dcp.metadata_file import decode_metadata
+    from ml_flashpoint_nemo.dcp.storage_info import DCP_METADATA_NAME, item_location
     from ml_flashpoint_nemo.errors import CorruptCheckpointError
 
     # verified against the commit record before it is unpickled (as MemoryStorageReader does)
-    metadata = pickle.loads(read_checked_file(layout, commit, DCP_METADATA_NAME))
-    storage = {(index.fqn, _offset_key(index.offset)): info for index, info in (metadata.storage_data or {}).items()}
+    metadata = decode_metadata(read_checked_file(layout, commit, DCP_METADATA_NAME), commit.step)
+    storage = {(index.fqn, _offset_key(index.offset)): item_location(value, index, commit.step)
+               for index, value in (metadata.storage_data or {}).items()}
     per_object: dict[str, list[_Read]] = {}
     items = []
     for fqn, stored in metadata.state_dict_metadata.items():
         if isinstance(stored, BytesStorageMetadata):
-            info = storage.get((fqn, None))
-            if info is None:
+            location = storage.get((fqn, None))
+            if location is None:
                 raise CorruptCheckpointError(f"{fqn} has no storage data in version {commit.step}")
-            per_object.setdefault(info.object.name, []).append(_Read(info.key, fqn, None))
+            name, key = location
+            per_object.setdefault(name, []).append(_Read(key, fqn, None))
             items.append(WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO))
             continue
         dtype = stored.properties.dtype
@@ -128,10 +130,10 @@ def _plan_dcp_version(layout: Any, commit: Any) -> tuple[dict[str, list[_Read]],
             offset = _offset_key(chunk.offsets)
             tensor = torch.empty(tuple(chunk.sizes), dtype=dtype)
             read = _Read("", fqn, offset, tensor, tensor.numel() * tensor.element_size())
-            info = storage.get((fqn, offset))
-            if info is not None:
-                read.key = info.key
-                per_object.setdefault(info.object.name, []).append(read)
+            location = storage.get((fqn, offset))
+            if location is not None:
+                name, read.key = location
+                per_object.setdefault(name, []).append(read)
             elif tensor.numel():
                 raise CorruptCheckpointError(f"{fqn} (chunk at {list(offset or ())}) has no storage data in "
                                              f"version {commit.step}")

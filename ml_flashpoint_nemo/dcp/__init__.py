@@ -5,7 +5,6 @@
 """
 
 from ml_flashpoint_nemo.dcp.reader import MemoryStorageReader
-from ml_flashpoint_nemo.dcp.storage_info import FlashpointStorageInfo
 from ml_flashpoint_nemo.dcp.writer import MemoryStorageWriter
 
-__all__ = ["FlashpointStorageInfo", "MemoryStorageReader", "MemoryStorageWriter"]
+__all__ = ["MemoryStorageReader", "MemoryStorageWriter"]

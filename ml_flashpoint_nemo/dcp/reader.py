@@ -11,7 +11,6 @@ import functools
 import io
 import logging
 import os
-import pickle
 import uuid
 from typing import Any
 
@@ -27,7 +26,8 @@ from ml_flashpoint_nemo.core.loader import open_object, read_object
 from ml_flashpoint_nemo.core.values import dtype_name
 from ml_flashpoint_nemo.core.versions import committed_steps, read_commit
 from ml_flashpoint_nemo.core.version_files import read_checked_file
-from ml_flashpoint_nemo.dcp.storage_info import DCP_METADATA_NAME, FlashpointStorageInfo, step_of_checkpoint_id
+from ml_flashpoint_nemo.dcp.metadata_file import decode_metadata
+from ml_flashpoint_nemo.dcp.storage_info import DCP_METADATA_NAME, ItemLocation, item_location, step_of_checkpoint_id
 from ml_flashpoint_nemo.errors import CorruptCheckpointError, VersionNotFoundError
 
 logger = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ class MemoryStorageReader(StorageReader):
         self.step: int | None = None
         self.load_id = uuid.uuid4().hex
         self._commit: CommitRecord | None = None
-        self._storage_data: dict[tuple[str, Any], FlashpointStorageInfo] = {}  # (fqn, offset) -> where it is
+        self._storage_data: dict[tuple[str, Any], ItemLocation] = {}  # (fqn, offset) -> where it is
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -77,10 +77,11 @@ class MemoryStorageReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         encoded = read_checked_file(self.layout, self._commit_record(), DCP_METADATA_NAME)
-        metadata: Metadata = pickle.loads(encoded)  # verified against the commit record first
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        metadata = decode_metadata(encoded, self.step)  # verified against the commit record first
+        # not in the file (it changes every save): rebuilt from the path and the commit record
+        metadata.storage_meta = StorageMeta(checkpoint_id=os.fspath(self.layout.version_dir(self.step)),
+                                            save_id=self._commit_record().metadata.get("save_id", ""),
+                                            load_id=self.load_id)
         return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -89,7 +90,9 @@ class MemoryStorageReader(StorageReader):
             raise CorruptCheckpointError(f"DCP metadata of version {self.step} has no storage data")
         # Keyed by (fqn, offset), what MetadataIndex compares: tuple hashing and equality run in C,
         # MetadataIndex's dataclass __hash__/__eq__ in Python (two calls per item otherwise).
-        self._storage_data = {(index.fqn, index.offset): info for index, info in storage_data.items()}
+        step = self.step
+        self._storage_data = {(index.fqn, index.offset): item_location(value, index, step)
+                              for index, value in storage_data.items()}
         self._commit_record()
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -106,16 +109,17 @@ class MemoryStorageReader(StorageReader):
         by_object: dict[str, list[tuple[ReadItem, str]]] = {}
         for item in plan.items:
             index = item.storage_index
-            info = storage_data.get((index.fqn, index.offset))
-            if info is None:
+            location = storage_data.get((index.fqn, index.offset))
+            if location is None:
                 raise CorruptCheckpointError(
                     f"{index.fqn} (offset {list(index.offset or [])}) has no storage data in version {self.step}"
                 )
-            keyed = by_object.get(info.object.name)
+            name, key = location
+            keyed = by_object.get(name)
             if keyed is None:
-                by_object[info.object.name] = [(item, info.key)]
+                by_object[name] = [(item, key)]
             else:
-                keyed.append((item, info.key))
+                keyed.append((item, key))
         for name, keyed in by_object.items():
             if name not in records:
                 raise CorruptCheckpointError(f"object {name} is not listed in the commit record of step {self.step}")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import logging
 import os
-import pickle
 import threading
 import uuid
 from typing import Any, Iterable
@@ -29,12 +28,14 @@ from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.saver import CheckpointSaver
 from ml_flashpoint_nemo.core.version_files import FILES_KEY, describe_bytes, describe_files
 from ml_flashpoint_nemo.core.versions import delete_superseded, write_commit
+from ml_flashpoint_nemo.dcp.metadata_file import encode_metadata
 from ml_flashpoint_nemo.dcp.staging import StagingBuffers
 from ml_flashpoint_nemo.dcp.storage_info import (
     DCP_METADATA_NAME,
-    FlashpointStorageInfo,
+    WrittenItem,
     record_key,
     step_of_checkpoint_id,
+    stored_locations,
 )
 from ml_flashpoint_nemo.errors import BaseDirError, UnsupportedValueError
 
@@ -131,29 +132,23 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         delete_superseded(self.layout.base_dir, keep=self.keep, rank=self.rank, pool=saver.pool)
         flat, described = resolve_write_items(plan, planner)
         written = saver.write_object(self.step, flat, overwrite=True)
-        record = written.record
-        results = [
-            WriteResult(index=index, size_in_bytes=nbytes, storage_data=FlashpointStorageInfo(record, key))
-            for index, key, nbytes in described
-        ]
         future: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
-        future.set_result(results)
+        future.set_result(write_results(written.record, described))
         return future
 
     @without_gc
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         if self.step is None:
             raise BaseDirError("finish called before reset(checkpoint_id)")
-        storage_data: dict[Any, FlashpointStorageInfo] = {}
+        written: dict[Any, WrittenItem] = {}
         objects: dict[int, ObjectRecord] = {}  # by identity: every item of an object shares its record
         for per_rank in results:
             for wr in per_rank:
-                info = wr.storage_data
-                storage_data[wr.index] = info
-                objects[id(info.object)] = info.object
-        metadata.storage_data = storage_data
-        metadata.storage_meta = self.storage_meta()
-        encoded = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+                record, _ = written[wr.index] = wr.storage_data
+                objects[id(record)] = record
+        metadata.storage_data = stored_locations(written)
+        metadata.storage_meta = self.storage_meta()  # for dcp.save's caller; the file leaves it out
+        encoded = encode_metadata(self.layout.base_dir, metadata)
         described = describe_bytes(encoded)
         version_dir = self.layout.version_dir(self.step)
         version_dir.mkdir(parents=True, exist_ok=True)
@@ -233,6 +228,11 @@ def _process_saver(layout: CheckpointLayout, rank: int) -> CheckpointSaver:
 def warm_up_rank_pool(base_dir: str | os.PathLike[str], rank: int) -> None:
     """Take rank's pool in this process and pre-fault the buffers an earlier run left in it (background)."""
     _process_saver(CheckpointLayout(base_dir), rank).pool.start_warmup()
+
+
+def write_results(record: ObjectRecord, described: list[tuple[Any, str, int]]) -> list[WriteResult]:
+    """One WriteResult per item of the object `record` describes; storage_data is a WrittenItem."""
+    return [WriteResult(index=index, size_in_bytes=nbytes, storage_data=(record, key)) for index, key, nbytes in described]
 
 
 def resolve_write_items(plan: SavePlan, planner: SavePlanner) -> tuple[dict[str, Any], list[tuple[Any, str, int]]]:

@@ -82,8 +82,12 @@ from ml_flashpoint_nemo.core.version_files import (
 )
 from ml_flashpoint_nemo.core.versions import delete_superseded, read_commit
 from ml_flashpoint_nemo.dcp.reader import MemoryStorageReader
-from ml_flashpoint_nemo.dcp.storage_info import FlashpointStorageInfo
-from ml_flashpoint_nemo.dcp.writer import MemoryStorageWriter, release_process_savers, resolve_write_items
+from ml_flashpoint_nemo.dcp.writer import (
+    MemoryStorageWriter,
+    release_process_savers,
+    resolve_write_items,
+    write_results,
+)
 from ml_flashpoint_nemo.errors import CorruptCheckpointError, FlashpointError, ManagerStartError
 from ml_flashpoint_nemo.megatron.worker_reports import WorkerReports, seal_and_report
 
@@ -134,8 +138,7 @@ class _StagingWriter(MemoryStorageWriter):
         assert self.staged is not None, "checked by _finalize_save"
         staged, self.staged = self.staged, None
         written = self._saver_for_rank().place(staged)
-        return [WriteResult(index=index, size_in_bytes=nbytes, storage_data=FlashpointStorageInfo(written.record, key))
-                for index, key, nbytes in self.items]
+        return write_results(written.record, self.items)
 
     def abandon(self) -> None:
         if self.staged is not None:

@@ -1,0 +1,54 @@
+"""The `.metadata` file of a DCP version: torch's Metadata, pickled, without the per-save StorageMeta.
+
+Pickling DCP's Metadata costs ~9 us per item in Python (~4.5 ms for 500 tensors, on the commit's
+critical path), and a job saves the same structure every time. So the coordinator keeps, per base
+directory, the last bytes it wrote together with what they decode to, and reuses the bytes when the
+new Metadata equals that decoded copy. The copy is private (never shared with DCP's plan cache,
+which may keep and reuse its own Metadata), so equality means the bytes describe this save exactly.
+
+StorageMeta (checkpoint_id, save_id) is the one part that changes every save; it is left out of the
+file, and the reader rebuilds it from the path and the commit record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import threading
+
+from torch.distributed.checkpoint.metadata import Metadata
+
+from ml_flashpoint_nemo.errors import CorruptCheckpointError
+
+_LAST_WRITTEN: dict[str, tuple[Metadata, bytes]] = {}  # base dir -> (decoded copy, its bytes)
+_LOCK = threading.Lock()
+
+
+def encode_metadata(base_dir: str | os.PathLike[str], metadata: Metadata) -> bytes:
+    """The bytes of `.metadata` for metadata (its storage_meta left out), reused while the structure repeats."""
+    persisted = dataclasses.replace(metadata, storage_meta=None)
+    key = os.fspath(base_dir)
+    with _LOCK:
+        last = _LAST_WRITTEN.get(key)
+    if last is not None and last[0] == persisted:
+        return last[1]
+    encoded = pickle.dumps(persisted, protocol=pickle.HIGHEST_PROTOCOL)
+    with _LOCK:
+        _LAST_WRITTEN[key] = (pickle.loads(encoded), encoded)
+    return encoded
+
+
+def decode_metadata(encoded: bytes, step: int | None) -> Metadata:
+    """DCP's Metadata from the verified bytes of `.metadata`; a file this code cannot read is refused clearly."""
+    try:
+        metadata = pickle.loads(encoded)
+    except (AttributeError, ImportError, TypeError, pickle.UnpicklingError) as exc:
+        raise CorruptCheckpointError(
+            f"the DCP metadata of version {step} does not unpickle here ({type(exc).__name__}: {exc}): it was "
+            "written by another ml_flashpoint_nemo or torch. Load an older version, or the durable checkpoint."
+        ) from exc
+    if not isinstance(metadata, Metadata):
+        raise CorruptCheckpointError(f"the DCP metadata of version {step} holds a {type(metadata).__name__}")
+    return metadata
+
