@@ -22,6 +22,12 @@ def checks(tmp_path_factory) -> dict[str, str]:
     return {line.split()[0]: line.split(" ", 1)[1] for line in lines}
 
 
+def test_a_fork_per_save_warns_on_pythons_whose_fork_can_deadlock(checks):
+    """Only a fork per save (persistent_worker=False) on Python < 3.11.10 warns, naming the way out."""
+    expected = 1 if sys.version_info < (3, 11, 10) else 0
+    assert checks["FORK_WARNINGS"] == f"fork {expected} persistent 0 fork_can_deadlock {bool(expected)}", checks
+
+
 def test_missing_job_id_says_what_to_set(checks):
     assert checks["NO_JOB_ID"].startswith("BaseDirError"), checks
     assert "FLASHPOINT_BASE_DIR" in checks["NO_JOB_ID"] and "FLASHPOINT_JOB_ID" in checks["NO_JOB_ID"]

@@ -59,8 +59,38 @@ def main() -> None:
     wrap_trainer_with_flashpoint(from_env)
     print("JOB_ID_BASE", from_env._flashpoint.settings.base_dir)
     plugin_trainer = recipe_with_plugin(base)
+    print("FORK_WARNINGS", fork_warnings(base))
     for t in (wired, from_env, plugin_trainer):
         t._flashpoint.io.close()
+
+
+def fork_warnings(base: str) -> str:
+    """How many fork-deadlock warnings wrapping logs with a fork per save, and with the persistent worker."""
+    import logging
+
+    from ml_flashpoint_nemo import wrap_trainer_with_flashpoint
+    from ml_flashpoint_nemo.nemo import checkpoint_io
+
+    class Collect(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.WARNING)
+            self.messages: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.messages.append(record.getMessage())
+
+    counts = []
+    for persistent in (False, True):
+        collect = Collect()
+        checkpoint_io.logger.addHandler(collect)
+        checkpoint_io._warn_fork_can_deadlock.cache_clear()  # it warns once per process
+        wrapped = trainer()
+        wrap_trainer_with_flashpoint(wrapped, base_dir=f"{base}-fork-{persistent}", persistent_worker=persistent)
+        wrapped._flashpoint.io.close()
+        checkpoint_io.logger.removeHandler(collect)
+        counts.append(sum("gh-112275" in m and "persistent_worker=True" in m for m in collect.messages))
+    forks_can_deadlock = sys.version_info < checkpoint_io.FORK_SAFE_PYTHON
+    return f"fork {counts[0]} persistent {counts[1]} fork_can_deadlock {forks_can_deadlock}"
 
 
 def routing(wired, base: str) -> str:
