@@ -187,8 +187,23 @@ def timed(action: Callable[[], Any], setup: Callable[[], Any] | None = None) -> 
 
 def median_of_runs(name: str, run_once: Callable[[], float], runs: int, nbytes: int, **extra: Any) -> Result:
     samples = [run_once() for _ in range(runs)]
-    result = Result(name, statistics.median(samples), samples, nbytes, extra)
-    print(f"  {name}: {result.seconds:.4f} s, {result.gbps:.2f} GB/s", file=sys.stderr, flush=True)
+    return _reported(Result(name, statistics.median(samples), samples, nbytes, extra))
+
+
+def medians_interleaved(runs: int, nbytes: int, **run_once: Callable[[], float]) -> list[Result]:
+    """Each run_once `runs` times, in rounds that run every one once (first one first, then rotated),
+    so that a slow spell of the machine lands on all of them alike; one Result each, in the order given."""
+    names = list(run_once)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(runs):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            samples[name].append(run_once[name]())
+    return [_reported(Result(name, statistics.median(samples[name]), samples[name], nbytes)) for name in names]
+
+
+def _reported(result: Result) -> Result:
+    print(f"  {result.name}: {result.seconds:.4f} s, {result.gbps:.2f} GB/s", file=sys.stderr, flush=True)
     return result
 
 
