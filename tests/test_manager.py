@@ -52,6 +52,9 @@ def test_future_resolves_to_a_working_manager_that_close_shuts_down(start: Calla
     logger.info("start_manager_warmup returned after %.2f ms", returned_ms)  # measured, not asserted
 
     manager = wait_for_manager(future, what="this test")
+    # Its deadline timer was gone before the future completed: a waiter that forks right away (a Megatron
+    # worker) must not race a thread's end (CPython gh-112275 deadlocks such a child before 3.11.10).
+    assert not [t.name for t in threading.enumerate() if t.name == "flashpoint-manager-deadline"]
     shared = manager.dict()
     shared["step"] = 7
     assert shared["step"] == 7

@@ -231,8 +231,14 @@ class ManagerFuture(Future[SyncManager]):
             time.sleep(0.01)
 
     def _cancel_timer(self) -> None:
+        """Stop the deadline timer and wait until its thread is gone, before the future completes.
+
+        A waiter may fork (a Megatron worker per save) as soon as it wakes; on Python < 3.11.10
+        a thread ending at that moment can deadlock the child (CPython gh-112275).
+        """
         if self._timer is not None and self._timer is not threading.current_thread():
             self._timer.cancel()
+            self._timer.join(_SETTLE_S)
 
 
 def start_manager_warmup(
