@@ -27,11 +27,6 @@ WrittenItem = tuple[ObjectRecord, str]  # (record of the object holding the item
 ItemLocation = tuple[str, str]  # (object file name, record key)
 
 
-def stored_locations(written: dict[MetadataIndex, WrittenItem]) -> dict[MetadataIndex, ItemLocation]:
-    """The storage_data to keep in `.metadata`: each written item's object name and record key."""
-    return {index: (record.name, key) for index, (record, key) in written.items()}
-
-
 def item_location(value: Any, index: MetadataIndex, step: int | None) -> ItemLocation:
     """value, one storage_data entry read from `.metadata`, checked to be an ItemLocation."""
     if type(value) is tuple and len(value) == 2 and type(value[0]) is str and type(value[1]) is str:

@@ -32,10 +32,10 @@ from ml_flashpoint_nemo.dcp.metadata_file import encode_metadata
 from ml_flashpoint_nemo.dcp.staging import StagingBuffers
 from ml_flashpoint_nemo.dcp.storage_info import (
     DCP_METADATA_NAME,
+    ItemLocation,
     WrittenItem,
     record_key,
     step_of_checkpoint_id,
-    stored_locations,
 )
 from ml_flashpoint_nemo.errors import BaseDirError, UnsupportedValueError
 
@@ -140,13 +140,16 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         if self.step is None:
             raise BaseDirError("finish called before reset(checkpoint_id)")
-        written: dict[Any, WrittenItem] = {}
+        storage_data: dict[Any, ItemLocation] = {}
         objects: dict[int, ObjectRecord] = {}  # by identity: every item of an object shares its record
+        written: WrittenItem
         for per_rank in results:
             for wr in per_rank:
-                record, _ = written[wr.index] = wr.storage_data
+                written = wr.storage_data
+                record, key = written
+                storage_data[wr.index] = (record.name, key)
                 objects[id(record)] = record
-        metadata.storage_data = stored_locations(written)
+        metadata.storage_data = storage_data
         metadata.storage_meta = self.storage_meta()  # for dcp.save's caller; the file leaves it out
         encoded = encode_metadata(self.layout.base_dir, metadata)
         described = describe_bytes(encoded)
