@@ -29,7 +29,8 @@ DESIGN.md §3 and §8 give the budgets this script checks; every line has `targe
                      callbacks any storage layer makes per item (resolve_data; resolve_tensor,
                      commit_tensor, load_bytes). It includes the core's work:
                      flashpoint_overhead = flashpoint / core - 1 is what the adapter adds, also
-                     checked against 10%. torch_part_seconds is the rest, DCP's own work. torch_seconds cross-checks that part: the same call with a no-op
+                     checked against 10%. torch_part_seconds is the rest, DCP's own work.
+                     torch_seconds cross-checks that part: the same call with a no-op
                      StorageWriter / StorageReader (the default planners still plan every item,
                      exchange plans through the process group and resolve every item; no byte is
                      copied), which no storage layer can avoid.
@@ -532,7 +533,7 @@ class NoopStorageReader(StorageReader):
 def bench_dcp_vs_core(bench: Bench, dest: State) -> list[Row]:
     """The state goes to DCP as a user's call hands it over, {"model": state}: DCP logs every top-level
     key's state_dict() call (two log records each), so 500 tensors as 500 top-level keys would charge DCP
-    ~25 ms that no training script pays. The core path takes the same tensors flat."""
+    ~20 ms that no training script pays. The core path takes the same tensors flat."""
     dcp_base, core_base = bench.fresh_dir("dcp"), bench.fresh_dir("core")
     dcp_steps, core_steps = count(), count()
     nested, nested_dest = {"model": bench.state}, {"model": dest}

@@ -213,7 +213,7 @@ class StorageInfoOfAnOlderRelease:
         self.key = key
 
 
-@pytest.mark.parametrize("kind", ["class_gone", "foreign_value"])
+@pytest.mark.parametrize("kind", ["class_gone", "foreign_value", "not_metadata"])
 def test_metadata_this_release_cannot_read_is_refused_and_nothing_is_loaded(base_dir, kind, monkeypatch):
     """A version whose .metadata another release wrote (checksums intact) is refused with a clear error."""
     state = save_single_process_version(base_dir, 1)
@@ -225,7 +225,7 @@ def test_metadata_this_release_cannot_read_is_refused_and_nothing_is_loaded(base
         monkeypatch.setattr(StorageInfoOfAnOlderRelease, "__module__", storage_info.__name__)
     metadata.storage_data = {i: StorageInfoOfAnOlderRelease(key) if kind == "class_gone" else {"key": key}
                              for i, (_, key) in metadata.storage_data.items()}
-    encoded = pickle.dumps(metadata)
+    encoded = pickle.dumps({"not": "a DCP Metadata"} if kind == "not_metadata" else metadata)
     monkeypatch.undo()  # the class is gone again, as after an upgrade
     metadata_path.write_bytes(encoded)
     commit = read_commit(layout, 1)  # re-committed with the new file's checksum: only its content is foreign
@@ -233,7 +233,8 @@ def test_metadata_this_release_cannot_read_is_refused_and_nothing_is_loaded(base
     write_commit(layout, 1, commit.objects, world_size=1, metadata={**commit.metadata, FILES_KEY: files})
 
     dest = {k: torch.zeros_like(v) for k, v in state.items() if isinstance(v, torch.Tensor)}
-    expected = "does not unpickle here" if kind == "class_gone" else "not written by this ml_flashpoint_nemo"
+    expected = {"class_gone": "does not unpickle here", "foreign_value": "not written by this ml_flashpoint_nemo",
+                "not_metadata": "DCP metadata of version 1 holds a dict"}[kind]
     with pytest.raises((CorruptCheckpointError, CheckpointException), match=expected):
         dcp_without_process_group(lambda: dcp.load(dest, checkpoint_id=base_dir / "step-1",
                                                    storage_reader=MemoryStorageReader(base_dir)))

@@ -51,4 +51,3 @@ def decode_metadata(encoded: bytes, step: int | None) -> Metadata:
     if not isinstance(metadata, Metadata):
         raise CorruptCheckpointError(f"the DCP metadata of version {step} holds a {type(metadata).__name__}")
     return metadata
-
