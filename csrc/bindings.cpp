@@ -437,12 +437,14 @@ PYBIND11_MODULE(_core, m) {
   m.def(
       "read_file_into",
       [](int fd, const py::buffer& ops, bool checksum, int threads) {
-        auto parsed = ops_from_buffer<FileToMemOp, 3>(ops);
+        auto parsed = ops_from_buffer<FileToMemOp, 4>(ops);
         py::gil_scoped_release release;
         return read_file_into(fd, parsed, checksum, threads);
       },
       py::arg("fd"), py::arg("ops"), py::arg("checksum") = true, py::arg("threads") = 1,
-      "pread (file_offset, dst_address, nbytes) triples straight into memory; returns one CRC32C per op.");
+      "pread (file_offset, dst_address, nbytes, dst_capacity) rows straight into memory; returns one CRC32C\n"
+      "per op. A row whose nbytes exceeds dst_capacity (the destination's own size) raises IndexError\n"
+      "before any byte is read.");
   m.def(
       "checksum_file_ranges",
       [](int fd, const py::buffer& ops, int threads) {

@@ -157,6 +157,12 @@ std::vector<uint32_t> copy_into_buffer(ShmBuffer& buffer, const std::vector<MemT
 }
 
 std::vector<uint32_t> read_file_into(int fd, const std::vector<FileToMemOp>& ops, bool checksum, int threads) {
+  for (const auto& op : ops) {
+    if (op.nbytes > op.dst_capacity)
+      throw std::out_of_range("a read of " + std::to_string(op.nbytes) + " bytes at file offset " +
+                              std::to_string(op.file_offset) + " overruns its destination of " +
+                              std::to_string(op.dst_capacity) + " bytes");
+  }
   return run_pieces(lengths_of(ops), threads, [&](const Piece& p) {
     const auto& op = ops[p.op];
     uint8_t* dst = reinterpret_cast<uint8_t*>(op.dst_address) + p.offset;

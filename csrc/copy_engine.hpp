@@ -22,11 +22,14 @@ struct MemToBufferOp {
   uint64_t nbytes;
 };
 
-// One read from a file into memory: bytes [file_offset, +nbytes) go to dst_address.
+// One read from a file into memory: bytes [file_offset, +nbytes) go to dst_address, whose
+// memory holds dst_capacity bytes. The capacity comes from the destination itself (never from
+// the file), so a read the file describes wrongly is refused instead of overrunning it.
 struct FileToMemOp {
   uint64_t file_offset;
   uint64_t dst_address;
   uint64_t nbytes;
+  uint64_t dst_capacity;
 };
 
 // A byte range [offset, offset+nbytes) of a file or a buffer.

@@ -766,7 +766,7 @@ def test_read_file_into_tensors(shm_dir, threads):
     path.write_bytes(data)
     ranges = build_read_ops(file_size, seed=61 + threads)
     destinations = [torch.empty(n, dtype=torch.uint8) for _, n in ranges]
-    ops = [(offset, dest.data_ptr(), n) for (offset, n), dest in zip(ranges, destinations)]
+    ops = [(offset, dest.data_ptr(), n, n) for (offset, n), dest in zip(ranges, destinations)]
     fd = os.open(path, os.O_RDONLY)
     try:
         crcs = _core.read_file_into(fd, ops_array(ops), True, threads)
@@ -789,7 +789,7 @@ def test_read_file_into_tensors(shm_dir, threads):
         target = torch.empty_like(floats)
         fd2 = os.open(path2, os.O_RDONLY)
         try:
-            _core.read_file_into(fd2, ops_array([(0, target.data_ptr(), target.nbytes)]), True, threads)
+            _core.read_file_into(fd2, ops_array([(0, target.data_ptr(), target.nbytes, target.nbytes)]), True, threads)
         finally:
             os.close(fd2)
         assert torch.equal(target, floats)
@@ -807,7 +807,7 @@ def test_reading_past_the_end_raises_short_read(shm_dir, threads):
         assert issubclass(_core.ShortReadError, EOFError)
         for offset, n in [(10 * MiB - 10, 20), (10 * MiB, 1), (0, 10 * MiB + 1), (20 * MiB, 5)]:
             with pytest.raises(EOFError) as info:
-                _core.read_file_into(fd, ops_array([(offset, destination.data_ptr(), n)]), True, threads)
+                _core.read_file_into(fd, ops_array([(offset, destination.data_ptr(), n, destination.nbytes)]), True, threads)
             assert isinstance(info.value, _core.ShortReadError)
             with pytest.raises(_core.ShortReadError):
                 _core.checksum_file_ranges(fd, ops_array([(offset, n)]), threads)
@@ -815,10 +815,31 @@ def test_reading_past_the_end_raises_short_read(shm_dir, threads):
         os.close(fd)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_read_longer_than_its_destination_is_refused_before_any_byte_moves(shm_dir, threads):
+    path = shm_dir / "file"
+    path.write_bytes(random_bytes(2 * MiB, seed=63))
+    arena = torch.full((3 * MiB,), 0xAB, dtype=torch.uint8)  # destination, then memory that must stay untouched
+    destination = arena[: MiB]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fine = ops_array([(0, destination.data_ptr(), MiB, MiB)])
+        over = ops_array([(0, destination.data_ptr(), 64, 64), (MiB, destination.data_ptr(), MiB + 1, MiB)])
+        with pytest.raises(IndexError, match="overruns its destination of 1048576 bytes"):
+            _core.read_file_into(fd, over, True, threads)
+        assert bool((arena == 0xAB).all()), "no op of a refused call may run"
+        _core.read_file_into(fd, fine, True, threads)
+        assert bool((arena[MiB:] == 0xAB).all())
+        with pytest.raises(ValueError, match="multiple of 4"):
+            _core.read_file_into(fd, ops_array([(0, destination.data_ptr(), 16)]), True, threads)
+    finally:
+        os.close(fd)
+
+
 def test_read_file_into_reports_a_bad_fd():
     destination = torch.empty(16, dtype=torch.uint8)
     with pytest.raises(OSError) as info:
-        _core.read_file_into(-1, ops_array([(0, destination.data_ptr(), 16)]))
+        _core.read_file_into(-1, ops_array([(0, destination.data_ptr(), 16, 16)]))
     assert info.value.errno == errno.EBADF
     with pytest.raises(OSError) as info:
         _core.checksum_file_ranges(-1, ops_array([(0, 16)]))

@@ -8,13 +8,17 @@ records are UTF-8 JSON protected by CRC32C.
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import struct
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal, Sequence
 
 from ml_flashpoint_nemo import _core
-from ml_flashpoint_nemo.errors import CorruptCheckpointError, FormatVersionError
+from ml_flashpoint_nemo.core.layout import rank_of_object, version_file_name_problem
+from ml_flashpoint_nemo.core.values import dtype_from_name
+from ml_flashpoint_nemo.errors import CorruptCheckpointError, FormatVersionError, UnsupportedValueError
 
 FORMAT_VERSION = 1
 OBJECT_MAGIC = b"MLFPOBJ\x00"
@@ -25,6 +29,10 @@ LARGE_RECORD_ALIGNMENT = 4096  # records of at least LARGE_RECORD_BYTES start on
 LARGE_RECORD_BYTES = 1 << 20
 FLAG_NO_DATA_CRC = 1  # written with checksums off: record CRC32C fields are 0 and not checked
 FLAG_ZERO_PADDING = 2  # every byte outside the header, the records and the index is zero
+KNOWN_FLAGS = FLAG_NO_DATA_CRC | FLAG_ZERO_PADDING
+FILES_KEY = "files"  # commit metadata key: {version-level file name: {"nbytes": N, "crc32c": C}}
+_U32_LIMIT = 1 << 32
+_CRC_HEX = re.compile(r"^[0-9a-f]{8}$")
 
 # magic, format_version, header_nbytes, object_nbytes, index_offset, index_nbytes,
 # index_crc32c, record_count, writer_rank, flags, reserved; header_crc32c follows.
@@ -68,19 +76,47 @@ class IndexEntry:
         return json.dumps(fields, separators=(",", ":"), ensure_ascii=False)[:-1]
 
     @classmethod
-    def from_json(cls, raw: dict[str, Any]) -> "IndexEntry":
+    def from_json(cls, raw: Any) -> "IndexEntry":
+        """One index record, every field of the exact JSON type the writer writes (ValueError otherwise)."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"a record is a JSON {type(raw).__name__}, not an object")
         kind = raw["kind"]
         if kind not in ("tensor", "bytes"):
             raise ValueError(f"unknown record kind {kind!r}")
+        shape = raw["shape"]
+        if not isinstance(shape, list):
+            raise ValueError(f"shape {shape!r} is not a list")
+        crc = raw["crc32c"]
+        if not isinstance(crc, str) or not _CRC_HEX.match(crc):
+            raise ValueError(f"crc32c {crc!r} is not 8 lowercase hex digits")
         return cls(
-            key=str(raw["key"]),
+            key=_json_str(raw["key"], "key"),
             kind=kind,
-            dtype=str(raw["dtype"]),
-            shape=tuple(map(int, raw["shape"])),
-            offset=int(raw["offset"]),
-            nbytes=int(raw["nbytes"]),
-            crc32c=int(raw["crc32c"], 16),
+            dtype=_json_str(raw["dtype"], "dtype"),
+            shape=tuple(_json_count(d, "a dimension") for d in shape),
+            offset=_json_count(raw["offset"], "offset"),
+            nbytes=_json_count(raw["nbytes"], "nbytes"),
+            crc32c=int(crc, 16),
         )
+
+
+def _json_str(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{what} {value!r} is not a string")
+    return value
+
+
+def _json_object(value: Any, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} is not a JSON object")
+    return value
+
+
+def _json_count(value: Any, what: str) -> int:
+    """A JSON integer >= 0 (not a bool, not a float)."""
+    if type(value) is not int or value < 0:
+        raise ValueError(f"{what} {value!r} is not an integer >= 0")
+    return value
 
 
 _CRC_FIELD = ',"crc32c":"'
@@ -122,14 +158,69 @@ def encode_index(entries: Sequence[IndexEntry]) -> bytes:
 
 
 def decode_index(raw: bytes, path: str) -> list[IndexEntry]:
+    """The records of an index, each well-typed; validate_index checks them against the header."""
     try:
         payload = json.loads(raw.decode("utf-8"))
-        _check_format_version(int(payload["format_version"]), path)
+        if not isinstance(payload, dict) or not isinstance(payload.get("records"), list):
+            raise ValueError("the index is not an object with a list of records")
+        _check_format_version(_json_count(payload["format_version"], "format_version"), path)
         return [IndexEntry.from_json(r) for r in payload["records"]]
     except FormatVersionError:
         raise
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
         raise CorruptCheckpointError(f"index of {path} is malformed ({exc}); the object is unusable") from exc
+
+
+def validate_index(header: "ObjectHeader", entries: Sequence[IndexEntry], path: str) -> None:
+    """Refuse an index that is not exactly what a v1 writer produces, before any data is read.
+
+    A CRC only proves that the bytes are the ones written, not that the writer (or a peer that
+    pushed the object) described them truthfully. Each record must hold exactly its tensor's bytes,
+    lie aligned inside the data area and overlap nothing, so that no read can run past its
+    destination or into another record. docs/format.md ("Validation") lists the rules.
+    """
+    if header.record_count != len(entries):
+        raise CorruptCheckpointError(
+            f"{path}: the header counts {header.record_count} records, the index holds {len(entries)}. "
+            + CORRUPT_ADVICE
+        )
+    keys: set[str] = set()
+    for entry in entries:
+        if entry.key in keys:
+            raise CorruptCheckpointError(f"{path} holds key {entry.key!r} twice. " + CORRUPT_ADVICE)
+        keys.add(entry.key)
+        problem = _record_problem(entry, header)
+        if problem:
+            raise CorruptCheckpointError(f"record {entry.key!r} of {path} {problem}. " + CORRUPT_ADVICE)
+    try:
+        padding_ranges(entries, header.index_offset)
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"{path} has an impossible layout: {exc}. " + CORRUPT_ADVICE) from None
+
+
+CORRUPT_ADVICE = "Load an older version or the durable checkpoint."
+
+
+def _record_problem(entry: IndexEntry, header: "ObjectHeader") -> str | None:
+    """Why one record breaks the format (its size, placement or checksum field), or None."""
+    if entry.kind == "bytes":
+        if entry.dtype != "uint8" or entry.shape != (entry.nbytes,):
+            return f"is a bytes record of dtype {entry.dtype} and shape {list(entry.shape)}, not uint8[{entry.nbytes}]"
+    else:
+        try:
+            itemsize = dtype_from_name(entry.dtype).itemsize
+        except UnsupportedValueError as exc:
+            return f"cannot be read: {exc}"
+        expected = math.prod(entry.shape) * itemsize
+        if entry.nbytes != expected:
+            return (f"says {entry.nbytes} bytes, but {entry.dtype}{list(entry.shape)} holds {expected}")
+    if entry.offset < HEADER_NBYTES or entry.offset + entry.nbytes > header.index_offset:
+        return f"lies outside the data area [{HEADER_NBYTES}, {header.index_offset})"
+    if entry.offset % record_alignment(entry.nbytes):
+        return f"starts at {entry.offset}, not aligned to {record_alignment(entry.nbytes)} bytes"
+    if not header.has_data_crc and entry.crc32c:
+        return "carries a data checksum in an object saved without checksums"
+    return None
 
 
 @dataclass(frozen=True)
@@ -141,6 +232,7 @@ class ObjectHeader:
     record_count: int
     writer_rank: int
     flags: int = 0
+    reserved: int = 0
 
     @property
     def has_data_crc(self) -> bool:
@@ -162,7 +254,7 @@ class ObjectHeader:
             self.record_count,
             self.writer_rank,
             self.flags,
-            0,
+            self.reserved,
         )
         return body + _HEADER_CRC.pack(_core.crc32c(body))
 
@@ -171,18 +263,33 @@ class ObjectHeader:
         if len(raw) < HEADER_NBYTES:
             raise CorruptCheckpointError(f"{path} is truncated: {len(raw)} bytes, shorter than its header")
         body, crc_bytes = raw[: _HEADER.size], raw[_HEADER.size : HEADER_NBYTES]
-        (magic, version, header_nbytes, object_nbytes, index_offset, index_nbytes, index_crc, count, rank, flags, _) = (
-            _HEADER.unpack(body)
-        )
+        (magic, version, header_nbytes, object_nbytes, index_offset, index_nbytes, index_crc, count, rank, flags,
+         reserved) = _HEADER.unpack(body)
         if magic != OBJECT_MAGIC:
             raise CorruptCheckpointError(f"{path} is not a flashpoint object (bad magic {magic!r})")
         _check_format_version(version, path)
         (stored_crc,) = _HEADER_CRC.unpack(crc_bytes)
         if _core.crc32c(body) != stored_crc:
             raise CorruptCheckpointError(f"header of {path} fails its checksum; the object is corrupt")
-        if header_nbytes != HEADER_NBYTES or index_offset + index_nbytes > object_nbytes:
-            raise CorruptCheckpointError(f"header of {path} describes an impossible layout")
-        return cls(object_nbytes, index_offset, index_nbytes, index_crc, count, rank, flags)
+        problem = _header_problem(header_nbytes, object_nbytes, index_offset, index_nbytes, flags, reserved)
+        if problem:
+            raise CorruptCheckpointError(f"header of {path} describes an impossible object: {problem}. " + CORRUPT_ADVICE)
+        return cls(object_nbytes, index_offset, index_nbytes, index_crc, count, rank, flags, reserved)
+
+
+def _header_problem(header_nbytes: int, object_nbytes: int, index_offset: int, index_nbytes: int, flags: int,
+                    reserved: int) -> str | None:
+    if header_nbytes != HEADER_NBYTES:
+        return f"header_nbytes is {header_nbytes}, not {HEADER_NBYTES}"
+    if index_offset < HEADER_NBYTES or index_offset % RECORD_ALIGNMENT:
+        return f"the index starts at {index_offset}, not at a multiple of {RECORD_ALIGNMENT} after the header"
+    if index_offset + index_nbytes != object_nbytes:
+        return f"the index [{index_offset}, +{index_nbytes}) does not end the object at {object_nbytes}"
+    if flags & ~KNOWN_FLAGS:
+        return f"flags {flags:#x} has bits this release does not know"
+    if reserved:
+        return f"the reserved field is {reserved}, not 0"
+    return None
 
 
 def _check_format_version(version: int, path: str) -> None:
@@ -206,8 +313,14 @@ class ObjectRecord:
         return {"name": self.name, "rank": self.rank, "nbytes": self.nbytes, "crc32c": f"{self.crc32c:08x}"}
 
     @classmethod
-    def from_json(cls, raw: dict[str, Any]) -> "ObjectRecord":
-        return cls(str(raw["name"]), int(raw["rank"]), int(raw["nbytes"]), int(raw["crc32c"], 16))
+    def from_json(cls, raw: Any) -> "ObjectRecord":
+        if not isinstance(raw, dict):
+            raise ValueError(f"an object entry is a JSON {type(raw).__name__}, not an object")
+        crc = raw["crc32c"]
+        if not isinstance(crc, str) or not _CRC_HEX.match(crc):
+            raise ValueError(f"object crc32c {crc!r} is not 8 lowercase hex digits")
+        return cls(_json_str(raw["name"], "name"), _json_count(raw["rank"], "rank"),
+                   _json_count(raw["nbytes"], "nbytes"), int(crc, 16))
 
 
 @dataclass(frozen=True)
@@ -252,18 +365,54 @@ class CommitRecord:
             if payload.get("magic") != COMMIT_MAGIC:
                 raise CorruptCheckpointError(f"{path} is not a flashpoint commit record")
             _check_format_version(int(payload["format_version"]), path)
-            return cls(
-                step=int(payload["step"]),
-                world_size=int(payload["world_size"]),
+            record = cls(
+                step=_json_count(payload["step"], "step"),
+                world_size=_json_count(payload["world_size"], "world_size"),
                 objects=tuple(ObjectRecord.from_json(o) for o in payload["objects"]),
                 created_unix=float(payload["created_unix"]),
-                metadata=dict(payload.get("metadata") or {}),
+                metadata=_json_object(payload.get("metadata") or {}, "metadata"),
             )
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CorruptCheckpointError(f"commit record {path} is malformed ({exc})") from exc
+            _check_commit_contents(record)
+            return record
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
+            raise CorruptCheckpointError(f"commit record {path} is malformed ({exc}). {CORRUPT_ADVICE}") from exc
 
     def objects_of_rank(self, rank: int) -> list[ObjectRecord]:
         return [o for o in self.objects if o.rank == rank]
+
+
+def _check_commit_contents(record: CommitRecord) -> None:
+    """ValueError unless every object and version file the record names is one a v1 writer names.
+
+    Names become paths under the version directory, so each must be a layout name (an object
+    of the rank it claims, a plain version-file name) and appear once; sizes and checksums must
+    be in range.
+    """
+    if record.world_size < 1:
+        raise ValueError(f"world_size is {record.world_size}")
+    names: set[str] = set()
+    for obj in record.objects:
+        if rank_of_object(obj.name) != obj.rank or obj.rank >= record.world_size:
+            raise ValueError(f"object {obj.name!r} of rank {obj.rank} is not an object name of a rank of the job")
+        if obj.name in names:
+            raise ValueError(f"object {obj.name!r} is listed twice")
+        if obj.nbytes < HEADER_NBYTES:
+            raise ValueError(f"object {obj.name!r} is {obj.nbytes} bytes, shorter than its header")
+        names.add(obj.name)
+    files = record.metadata.get(FILES_KEY)
+    if files is None:
+        return
+    if not isinstance(files, dict):
+        raise ValueError("metadata.files is not an object")
+    for name, described in files.items():
+        problem = version_file_name_problem(name)
+        if problem:
+            raise ValueError(f"version file {name!r} is refused: {problem}")
+        if not isinstance(described, dict) or set(described) != {"nbytes", "crc32c"}:
+            raise ValueError(f"version file {name!r} is not described by its nbytes and crc32c")
+        _json_count(described["nbytes"], "nbytes")
+        if _json_count(described["crc32c"], "crc32c") >= _U32_LIMIT:
+            raise ValueError(f"version file {name!r} has an out-of-range checksum")
 
 
 @dataclass(frozen=True)
@@ -325,10 +474,8 @@ def object_crc32c_from_index(header_raw: bytes, index_raw: bytes, path: str) -> 
     if len(index_raw) != header.index_nbytes or _core.crc32c(index_raw) != header.index_crc32c:
         raise CorruptCheckpointError(f"index of {path} fails its checksum; the object is corrupt")
     entries = decode_index(index_raw, path)
-    try:
-        gaps = dict(padding_ranges(entries, header.index_offset))
-    except ValueError as exc:
-        raise CorruptCheckpointError(f"{path} has an impossible layout: {exc}") from None
+    validate_index(header, entries, path)
+    gaps = dict(padding_ranges(entries, header.index_offset))
     crc = _core.crc32c(header_raw[:HEADER_NBYTES])
     position = HEADER_NBYTES
     for entry in sorted(entries, key=lambda e: (e.offset, e.nbytes)):
@@ -348,6 +495,9 @@ def whole_object_crc32c(fd: int, path: str, record: ObjectRecord | None = None) 
     """
     header_raw = os.pread(fd, HEADER_NBYTES, 0)
     header = ObjectHeader.decode(header_raw, path)
+    file_size = os.fstat(fd).st_size
+    if header.object_nbytes > file_size:
+        raise CorruptCheckpointError(f"object {path} says it has {header.object_nbytes} bytes, the file {file_size}")
     if record is not None and header.object_nbytes != record.nbytes:
         raise CorruptCheckpointError(
             f"object {path} says it has {header.object_nbytes} bytes, the commit record {record.nbytes}"

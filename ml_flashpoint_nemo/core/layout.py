@@ -36,6 +36,19 @@ def rank_of_object(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def version_file_name_problem(name: str) -> str | None:
+    """Why name cannot be a version-level file (.metadata, common.pt, ...) of a version directory, or None.
+
+    Such names come from commit records, which a peer may have sent: each must stay a plain
+    file inside the version directory and never alias the commit record or an object.
+    """
+    if not name or len(name.encode("utf-8", "surrogatepass")) > 255 or "/" in name or "\0" in name:
+        return "it must be a plain file name of 1 to 255 bytes"
+    if name in (".", "..", COMMIT_NAME) or name.startswith(".COMMIT.tmp") or _OBJECT_NAME.match(name):
+        return "it names a directory, the commit record or an object"
+    return None
+
+
 @dataclass(frozen=True)
 class CheckpointLayout:
     """Paths of one job's RAM checkpoints; the base directory is the job's own."""

@@ -18,7 +18,15 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 
 from ml_flashpoint_nemo import _core
-from ml_flashpoint_nemo.core.format import HEADER_NBYTES, IndexEntry, ObjectHeader, ObjectRecord, decode_index
+from ml_flashpoint_nemo.core.format import (
+    CORRUPT_ADVICE,
+    HEADER_NBYTES,
+    IndexEntry,
+    ObjectHeader,
+    ObjectRecord,
+    decode_index,
+    validate_index,
+)
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.tuning import default_copy_threads
 from ml_flashpoint_nemo.core.values import BytesLike, dtype_from_name, dtype_name
@@ -33,9 +41,6 @@ from ml_flashpoint_nemo.errors import (
 )
 
 logger = logging.getLogger(__name__)
-
-_CORRUPT_ADVICE = "Load an older version or the durable checkpoint."
-
 
 @dataclass(frozen=True)
 class OpenObject:
@@ -53,30 +58,35 @@ def open_object(path: str, record: ObjectRecord) -> Iterator[OpenObject]:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise CorruptCheckpointError(f"object {path} named by the commit record is missing. {_CORRUPT_ADVICE}") from None
+        raise CorruptCheckpointError(f"object {path} named by the commit record is missing. {CORRUPT_ADVICE}") from None
     try:
         file_size = os.fstat(fd).st_size
         if file_size < record.nbytes:
             raise CorruptCheckpointError(
                 f"object {path} is truncated: {file_size} bytes, the commit record says {record.nbytes}. "
-                + _CORRUPT_ADVICE
+                + CORRUPT_ADVICE
             )
         header_bytes = os.pread(fd, HEADER_NBYTES, 0)
         header = ObjectHeader.decode(header_bytes, path)
         if header.object_nbytes != record.nbytes:
             raise CorruptCheckpointError(
                 f"object {path} says it has {header.object_nbytes} bytes, the commit record {record.nbytes}. "
-                + _CORRUPT_ADVICE
+                + CORRUPT_ADVICE
             )
         index_bytes = os.pread(fd, header.index_nbytes, header.index_offset)
-        if _core.crc32c(index_bytes, _core.crc32c(header_bytes)) != record.crc32c:
+        index_crc = _core.crc32c(index_bytes)
+        if _core.crc32c_combine(_core.crc32c(header_bytes), index_crc, len(index_bytes)) != record.crc32c:
             raise ChecksumError(
-                f"object {path} does not match the checksum in its commit record. {_CORRUPT_ADVICE}", path=path
+                f"object {path} does not match the checksum in its commit record. {CORRUPT_ADVICE}", path=path
+            )
+        if index_crc != header.index_crc32c or header.writer_rank != record.rank:
+            raise CorruptCheckpointError(
+                f"object {path}: its header names index checksum {header.index_crc32c:08x} and writer rank "
+                f"{header.writer_rank}, but its index has {index_crc:08x} and the commit record says rank "
+                f"{record.rank}. {CORRUPT_ADVICE}"
             )
         entries = decode_index(index_bytes, path)
-        for entry in entries:
-            if entry.offset < HEADER_NBYTES or entry.offset + entry.nbytes > header.index_offset:
-                raise CorruptCheckpointError(f"record {entry.key!r} of {path} lies outside the data area")
+        validate_index(header, entries, path)
         yield OpenObject(path, fd, header, entries)
     finally:
         os.close(fd)
@@ -86,7 +96,7 @@ def _check_crc(obj: OpenObject, entry: IndexEntry, actual: int) -> None:
     if obj.header.has_data_crc and actual != entry.crc32c:
         raise ChecksumError(
             f"key {entry.key!r} in {obj.path}: CRC32C {actual:08x} does not match the recorded {entry.crc32c:08x}; "
-            f"the RAM copy is corrupt and the destination holds undefined data. {_CORRUPT_ADVICE}",
+            f"the RAM copy is corrupt and the destination holds undefined data. {CORRUPT_ADVICE}",
             path=obj.path,
             key=entry.key,
         )
@@ -161,7 +171,7 @@ def read_object(
                 staged.append((target, destination))
         result[key] = destination if destination is not None else target
         if entry.nbytes:
-            ops.extend((entry.offset, target.data_ptr(), entry.nbytes))
+            ops.extend((entry.offset, target.data_ptr(), entry.nbytes, target.numel() * target.element_size()))
             op_entries.append(entry)
     crcs = _read_with_errors(obj, ops, threads)
     for entry, crc in zip(op_entries, crcs):
@@ -175,13 +185,13 @@ def _read_with_errors(obj: OpenObject, ops: array.array, threads: int) -> list[i
     try:
         return _core.read_file_into(obj.fd, ops, obj.header.has_data_crc, threads)
     except EOFError as exc:
-        raise CorruptCheckpointError(f"object {obj.path} is truncated ({exc}). {_CORRUPT_ADVICE}") from exc
+        raise CorruptCheckpointError(f"object {obj.path} is truncated ({exc}). {CORRUPT_ADVICE}") from exc
 
 
 def _read_bytes(obj: OpenObject, entry: IndexEntry) -> bytes:
     data = os.pread(obj.fd, entry.nbytes, entry.offset)
     if len(data) != entry.nbytes:
-        raise CorruptCheckpointError(f"object {obj.path} is truncated inside {entry.key!r}. {_CORRUPT_ADVICE}")
+        raise CorruptCheckpointError(f"object {obj.path} is truncated inside {entry.key!r}. {CORRUPT_ADVICE}")
     _check_crc(obj, entry, _core.crc32c(data))
     return data
 

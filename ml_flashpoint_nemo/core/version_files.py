@@ -17,12 +17,11 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from ml_flashpoint_nemo import _core
-from ml_flashpoint_nemo.core.format import CommitRecord
+from ml_flashpoint_nemo.core.format import FILES_KEY, CommitRecord
 from ml_flashpoint_nemo.core.layout import COMMIT_NAME, CheckpointLayout
 from ml_flashpoint_nemo.core.versions import fsync_directory, write_file_atomically
 from ml_flashpoint_nemo.errors import ChecksumError, CorruptCheckpointError, FlashpointError
 
-FILES_KEY = "files"
 logger = logging.getLogger(__name__)
 
 
