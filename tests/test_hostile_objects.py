@@ -112,6 +112,7 @@ INDEX_LIES = {
     "shape that does not fit nbytes": (_set("c", "shape", [4, 9]), "holds 288"),
     "a dtype of another size": (_set("a", "dtype", "float64"), "holds 128"),
     "an unknown dtype": (_set("a", "dtype", "float99"), "not known to torch"),
+    "a quantized dtype": (_set("a", "dtype", "qint32"), "no writer stores"),
     "a bytes record with a tensor shape": (_set("blob", "shape", [3, 9]), "bytes record"),
     "a bytes record of another dtype": (_set("blob", "dtype", "int8"), "bytes record"),
     "a record inside the header": (_set("a", "offset", 0), "outside the data area"),

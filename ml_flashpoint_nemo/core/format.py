@@ -17,7 +17,7 @@ from typing import Any, Iterable, Literal, Sequence
 
 from ml_flashpoint_nemo import _core
 from ml_flashpoint_nemo.core.layout import rank_of_object, version_file_name_problem
-from ml_flashpoint_nemo.core.values import dtype_from_name
+from ml_flashpoint_nemo.core.values import QUANTIZED_DTYPES, dtype_from_name
 from ml_flashpoint_nemo.errors import CorruptCheckpointError, FormatVersionError, UnsupportedValueError
 
 FORMAT_VERSION = 1
@@ -208,9 +208,12 @@ def _record_problem(entry: IndexEntry, header: "ObjectHeader") -> str | None:
             return f"is a bytes record of dtype {entry.dtype} and shape {list(entry.shape)}, not uint8[{entry.nbytes}]"
     else:
         try:
-            itemsize = dtype_from_name(entry.dtype).itemsize
+            dtype = dtype_from_name(entry.dtype)
         except UnsupportedValueError as exc:
             return f"cannot be read: {exc}"
+        if dtype in QUANTIZED_DTYPES:
+            return f"has dtype {entry.dtype}, which no writer stores (its scale lives outside its bytes)"
+        itemsize = dtype.itemsize
         expected = math.prod(entry.shape) * itemsize
         if entry.nbytes != expected:
             return (f"says {entry.nbytes} bytes, but {entry.dtype}{list(entry.shape)} holds {expected}")
