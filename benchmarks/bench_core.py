@@ -5,6 +5,9 @@ GB/s depend on the machine. This script measures, in one run and on one tmpfs:
 
 - memcpy      the reference: a single-threaded memcpy of every tensor into an
               already-written tmpfs mapping of the same size.
+- copy_limit  the machine's limit: the same copy with as many threads as our save uses,
+              plain memcpy or non-temporal stores, whichever is faster in this run. Every
+              row also reports ratio_vs_limit; the budgets are save >= 0.9x and load >= 0.8x.
 - save_warm   CheckpointSaver.save into warm pool buffers, checksums on.
 - save_nocrc  the same with checksums off (gives the checksum overhead).
 - save_first  the first save of a new process that pre-faults its pool in the
@@ -18,8 +21,17 @@ The state is a few large tensors (~90% of the bytes) and up to 2000 small ones o
 1-64 KiB in several dtypes, random values from a fixed seed. Every figure is the
 median of --runs runs; gbps counts tensor bytes only (1 GB = 1e9 bytes).
 
+With --device cuda the state lives on the GPU, and the rows are the staging paths:
+
+- d2h_pinned  the reference: every tensor copied (non_blocking) into a page-locked host tensor
+              allocated once, then one synchronize.
+- save_warm   CheckpointSaver.save of the GPU state into warm, page-locked pool buffers.
+- h2d_pinned  the reference for loads: page-locked host tensors copied into the GPU destinations.
+- load        load_version into pre-allocated GPU destinations, checksums verified.
+
     python benchmarks/bench_core.py --size-gib 1          # table
     python benchmarks/bench_core.py --size-gib 1 --json   # one JSON object per line
+    python benchmarks/bench_core.py --size-gib 4 --device cuda
 """
 
 from __future__ import annotations
@@ -156,11 +168,12 @@ class Result:
     def gbps(self) -> float:
         return self.nbytes / self.seconds / 1e9
 
-    def as_dict(self, memcpy_gbps: float) -> dict[str, Any]:
+    def as_dict(self, memcpy_gbps: float, limit_gbps: float | None = None) -> dict[str, Any]:
         return {
             "name": self.name,
             "gbps": round(self.gbps, 3),
             "ratio_vs_memcpy": round(self.gbps / memcpy_gbps, 3),
+            **({"ratio_vs_limit": round(self.gbps / limit_gbps, 3)} if limit_gbps else {}),
             "seconds": round(self.seconds, 4),
             "runs": len(self.samples),
             "min_seconds": round(min(self.samples), 4),
@@ -229,8 +242,12 @@ class Bench:
 # ---------------------------------------------------------------- measurements
 
 
-def bench_memcpy(bench: Bench) -> Result:
-    """One thread, memcpy only, into a mapping whose pages exist and were written once."""
+def bench_memcpy(bench: Bench) -> list[Result]:
+    """memcpy into a mapping whose pages exist and were written once: one thread (the reference), then the limit.
+
+    The limit is the same copy spread over the save's threads, with plain memcpy and with
+    non-temporal stores; the faster of the two is reported as copy_limit.
+    """
     ops: list[int] = []
     offset = 0
     for tensor in bench.state.values():
@@ -241,13 +258,26 @@ def bench_memcpy(bench: Bench) -> Result:
     buffer = _core.ShmBuffer.create(str(path), offset)
     try:
         buffer.prefault()
-        copy = functools.partial(_core.copy_into_buffer, buffer, flat, checksum=False, threads=1, streaming=False)
-        copy()  # written once: no first-touch cost in the timed runs
-        return median_of_runs(
-            "memcpy", timed(copy), bench.runs, bench.nbytes,
+
+        def copy(threads: int, streaming: bool) -> Callable[[], Any]:
+            return functools.partial(_core.copy_into_buffer, buffer, flat, checksum=False, threads=threads,
+                                     streaming=streaming)
+
+        copy(1, False)()  # written once: no first-touch cost in the timed runs
+        single = median_of_runs(
+            "memcpy", timed(copy(1, False)), bench.runs, bench.nbytes,
             threads=1, single_threaded=True, tensors=len(bench.state),
             note="single-threaded plain memcpy (glibc) into a warm tmpfs mapping (the reference)",
         )
+        plain, streaming = medians_interleaved(bench.runs, bench.nbytes, plain=timed(copy(bench.threads, False)),
+                                               streaming=timed(copy(bench.threads, True)))
+        best = min((plain, streaming), key=lambda r: r.seconds)
+        limit = Result("copy_limit", best.seconds, best.samples, bench.nbytes, {
+            "threads": bench.threads, "stores": "non-temporal" if best is streaming else "plain memcpy",
+            "plain_gbps": round(plain.gbps, 3), "non_temporal_gbps": round(streaming.gbps, 3),
+            "note": "the copy spread over the save's threads, the faster kind of stores (the machine's limit)",
+        })
+        return [single, limit]
     finally:
         buffer.close()
         path.unlink(missing_ok=True)
@@ -401,7 +431,7 @@ def run_all(args: argparse.Namespace, workdir: Path) -> list[Result]:
     results = [bench_save_first(workdir, args.size_gib, args.runs, args.threads, nbytes)]
     bench = Bench(build_state(specs), workdir, args.runs, args.threads)
     dest = {key: torch.zeros_like(tensor) for key, tensor in bench.state.items()}
-    results.insert(0, bench_memcpy(bench))
+    results[:0] = bench_memcpy(bench)
     save_warm, load = bench_save_and_load(bench, dest, checksum=True)
     save_nocrc, load_nocrc = bench_save_and_load(bench, dest, checksum=False)
     save_warm.extra["checksum_overhead"] = round(save_warm.seconds / save_nocrc.seconds - 1, 4)
@@ -413,18 +443,67 @@ def run_all(args: argparse.Namespace, workdir: Path) -> list[Result]:
     return results
 
 
+def run_cuda(args: argparse.Namespace, workdir: Path) -> list[Result]:
+    """The GPU staging paths against plain page-locked copies of the same tensors, in one run."""
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda needs a CUDA device; this machine has none")
+    specs = plan_state(int(args.size_gib * GIB))
+    nbytes = state_nbytes(specs)
+    print(f"state on {torch.cuda.get_device_name()}: {len(specs)} tensors, {nbytes / 1e9:.3f} GB; {args.runs} runs "
+          f"each; {args.threads} threads; in {workdir}", file=sys.stderr, flush=True)
+    state = {key: tensor.cuda() for key, tensor in build_state(specs).items()}
+    host = {key: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for key, t in state.items()}
+    dest = {key: torch.zeros_like(tensor) for key, tensor in state.items()}
+
+    def d2h() -> None:
+        for key, tensor in state.items():
+            host[key].copy_(tensor, non_blocking=True)
+        torch.cuda.synchronize()
+
+    def h2d() -> None:
+        for key, tensor in host.items():
+            dest[key].copy_(tensor, non_blocking=True)
+        torch.cuda.synchronize()
+
+    d2h()
+    reference = median_of_runs("d2h_pinned", timed(d2h), args.runs, nbytes, tensors=len(state),
+                               note="non_blocking copies into page-locked host tensors, one synchronize")
+    results = [reference]
+    base = workdir / "cuda-save"
+    steps = count()
+    with CheckpointSaver(base, threads=args.threads) as saver:
+        for _ in range(WARMUP_SAVES):
+            saver.save(next(steps), state)
+        results.append(median_of_runs("save_warm", timed(lambda: saver.save(next(steps), state)), args.runs, nbytes,
+                                      threads=args.threads, source="cuda"))
+        last = next(steps) - 1
+        h2d()
+        results.append(median_of_runs("h2d_pinned", timed(h2d, setup=lambda: zero_(dest)), args.runs, nbytes,
+                                      note="non_blocking copies from page-locked host tensors, one synchronize"))
+        load = functools.partial(load_version, base, last, into=dest, threads=args.threads)
+        results.append(median_of_runs("load", timed(load, setup=lambda: zero_(dest)), args.runs, nbytes,
+                                      threads=args.threads, destination="pre-allocated GPU tensors"))
+        check_equal(dest, state, "load into GPU tensors")
+    shutil.rmtree(base, ignore_errors=True)
+    return results
+
+
 def print_results(results: list[Result], as_json: bool) -> None:
-    memcpy_gbps = next(r for r in results if r.name == "memcpy").gbps
-    rows = [r.as_dict(memcpy_gbps) for r in results]
+    names = {r.name: r for r in results}
+    reference = names.get("memcpy") or names["d2h_pinned"]
+    limit = names.get("copy_limit")
+    rows = [r.as_dict(reference.gbps, limit.gbps if limit else None) for r in results]
     if as_json:
         for row in rows:
             print(json.dumps(row))
         return
-    print(f"{'name':<12} {'GB/s':>8} {'x memcpy':>9} {'median s':>9} {'runs':>5}  notes")
+    print(f"{'name':<12} {'GB/s':>8} {'x memcpy':>9} {'x limit':>8} {'median s':>9} {'runs':>5}  notes"
+          if limit else f"{'name':<12} {'GB/s':>8} {'x ' + reference.name:>12} {'median s':>9} {'runs':>5}  notes")
     for row, result in zip(rows, results):
         notes = ", ".join(f"{k}={v}" for k, v in result.extra.items() if k != "note")
-        print(f"{row['name']:<12} {row['gbps']:>8.2f} {row['ratio_vs_memcpy']:>9.2f} "
-              f"{row['seconds']:>9.4f} {row['runs']:>5}  {notes}")
+        ratio = f"{row['ratio_vs_memcpy']:>9.2f} {row['ratio_vs_limit']:>8.2f}" if limit else \
+            f"{row['ratio_vs_memcpy']:>12.2f}"
+        print(f"{row['name']:<12} {row['gbps']:>8.2f} {ratio} {row['seconds']:>9.4f} {row['runs']:>5}  {notes}")
 
 
 def common_arguments(description: str, default_size_gib: float) -> argparse.ArgumentParser:
@@ -454,6 +533,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = common_arguments(__doc__.split("\n\n")[0], 1.0)
     parser.add_argument("--threads", type=int, default=default_copy_threads(),
                         help="copy threads for our save and load (default: %(default)s)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the state lives: cpu (default) or cuda (GPU staging, see above)")
     parser.add_argument(CHILD_FLAG, action="store_true", help=argparse.SUPPRESS)
     args = finish_common_arguments(parser, parser.parse_args(argv))
     if args.threads < 1:
@@ -466,8 +547,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.child_save_first:
         child_save_first(args.base_dir, args.size_gib, args.threads)
         return 0
-    print_results(in_fresh_workdir(args.base_dir, "flashpoint-bench-", lambda workdir: run_all(args, workdir)),
-                  args.json)
+    run = run_cuda if args.device == "cuda" else run_all
+    print_results(in_fresh_workdir(args.base_dir, "flashpoint-bench-", lambda workdir: run(args, workdir)), args.json)
     return 0
 
 

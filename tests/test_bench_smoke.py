@@ -9,7 +9,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 REQUIRED = {
-    "memcpy", "save_warm", "save_nocrc", "save_first", "load",
+    "memcpy", "copy_limit", "save_warm", "save_nocrc", "save_first", "load",
     "dcp_save", "dcp_load", "torch_save", "torch_load",
 }
 
@@ -28,6 +28,9 @@ def test_bench_core_quick_reports_every_measurement(base_dir: Path):
         assert row["seconds"] > 0 and row["runs"] == 1 and row["nbytes"] > 0, name
     assert rows["memcpy"]["ratio_vs_memcpy"] == 1.0
     assert rows["memcpy"]["single_threaded"] is True
+    assert rows["copy_limit"]["ratio_vs_limit"] == 1.0 and rows["copy_limit"]["stores"] in ("plain memcpy",
+                                                                                            "non-temporal")
+    assert all("ratio_vs_limit" in row for row in rows.values())
     assert "checksum_overhead" in rows["save_warm"]
     assert "warmup_seconds" in rows["save_first"]
     assert not any(base_dir.iterdir()), "the benchmark left files behind"
