@@ -33,7 +33,26 @@ from ml_flashpoint_nemo.megatron.async_workers import stop_async_workers  # noqa
 from tests.support.megatron_scenarios import check_loaded, sharded_state  # noqa: E402
 from tests.support.multiproc import scenario_main  # noqa: E402
 
-BLOCKED_S = 4.0  # how long rank 1 keeps rank 0's main thread waiting in an all_reduce
+DEADLINE_S = 60.0  # every wait below polls its condition, and fails after this long
+
+
+def wait_for(condition: Any, what: str, timeout: float = DEADLINE_S) -> None:
+    """Poll condition() until it is true; RuntimeError naming what did not happen within timeout."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not happen within {timeout} s")
+        time.sleep(0.01)
+
+
+def thread_is_in(thread_id: int, function: str) -> bool:
+    """True while the thread's Python stack holds a frame of the named function."""
+    frame = sys._current_frames().get(thread_id)
+    while frame is not None:
+        if frame.f_code.co_name == function:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def report(**values: Any) -> None:
@@ -84,9 +103,11 @@ def abort_while_blocked(params: dict[str, Any]) -> None:
     before = live_resources()
     outcome: dict[str, Any] = {}
     returned = threading.Event()
+    aborted = Path(base) / "rank-0-aborted"
+    main_thread = threading.get_ident()
 
     def monitor() -> None:
-        time.sleep(1.0)
+        wait_for(lambda: thread_is_in(main_thread, "all_reduce"), "rank 0's main thread entering the all_reduce")
         outcome["main_thread_blocked"] = not returned.is_set()
         started = time.monotonic()
         state = State(rank=rank, world_size=dist.get_world_size()).freeze()
@@ -94,12 +115,13 @@ def abort_while_blocked(params: dict[str, Any]) -> None:
         outcome["abort_s"] = time.monotonic() - started
         outcome["live_after"] = live_resources()
         outcome["manager_alive_after"] = alive(manager_pid)
+        aborted.touch()
 
     if rank == 0:
         thread = threading.Thread(target=monitor)
         thread.start()
-    else:
-        time.sleep(BLOCKED_S)
+    else:  # keeps rank 0's main thread waiting in the all_reduce until its abort is done
+        wait_for(aborted.exists, "rank 0's abort")
     dist.all_reduce(torch.ones(1))
     returned.set()
     if rank == 0:
@@ -118,8 +140,9 @@ def abort_while_blocked(params: dict[str, Any]) -> None:
            live_at_end=live_resources(), **outcome)
 
 
-def sleep_then_touch(path: str, seconds: float) -> None:
-    """A background 'save' that is still running when the workers are stopped."""
+def sleep_then_touch(started: str, path: str, seconds: float) -> None:
+    """A background 'save' that is still running when the workers are stopped; it marks its start."""
+    Path(started).touch()
     time.sleep(seconds)
     Path(path).touch()
 
@@ -128,17 +151,18 @@ def stop_workers(params: dict[str, Any]) -> None:
     """An unfinalized async call of a temporal or persistent AsyncCallsQueue is stopped after the process group
     is gone (as after an abort): no collective, no torch.distributed call, nothing left running."""
     marker = Path(params["base"]) / "worker-finished"
+    started = Path(params["base"]) / "worker-started"
     Path(params["base"]).mkdir(parents=True, exist_ok=True)
     queue = AsyncCallsQueue(persistent=params["persistent"])
-    queue.schedule_async_request(AsyncRequest(sleep_then_touch, (str(marker), 30.0), []))
-    time.sleep(0.5 if not params["persistent"] else 5.0)  # a spawned persistent worker imports torch first
+    queue.schedule_async_request(AsyncRequest(sleep_then_touch, (str(started), str(marker), 30.0), []))
+    wait_for(started.exists, "the async call starting in its worker")  # a spawned persistent one imports torch first
     workers = [child.pid for child in psutil.Process().children() if "resource_tracker" not in " ".join(child.cmdline())]
     dist.destroy_process_group()
     unraisable: list[str] = []
     sys.unraisablehook = lambda hook_args: unraisable.append(f"{hook_args.exc_type.__name__}: {hook_args.exc_value}")
-    started = time.monotonic()
+    stopping = time.monotonic()
     stopped = stop_async_workers(queue, grace_s=5.0)
-    seconds = time.monotonic() - started
+    seconds = time.monotonic() - stopping
     del queue
     gc.collect()  # Megatron's callers close themselves in __del__
     report(workers=workers, stopped=stopped, seconds=seconds, workers_alive=[pid for pid in workers if alive(pid)],
