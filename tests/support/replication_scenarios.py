@@ -18,6 +18,7 @@ import cpu_shims  # noqa: E402
 
 cpu_shims.install_for_checkpointing()
 
+import psutil  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from ml_flashpoint_nemo.core.layout import CheckpointLayout  # noqa: E402
@@ -97,7 +98,11 @@ def close_during_a_stuck_push(p: dict[str, Any]) -> None:
     dist.barrier()
     save(mine, 2, None, strategy)
     if dist.get_rank() == 0:
-        time.sleep(0.5)  # the push of step 2 is in its handshake
+        _, silent_port = strategy.replication.addresses[1]
+        deadline = time.monotonic() + 60
+        while not _connected_to(silent_port):  # the push of step 2 is in its handshake
+            assert time.monotonic() < deadline, "the push of step 2 never connected"
+            time.sleep(0.01)
         started = time.monotonic()
         strategy.replication.close(timeout=1.0)
         print(f"CLOSED in {time.monotonic() - started:.2f}s", flush=True)
@@ -105,6 +110,12 @@ def close_during_a_stuck_push(p: dict[str, Any]) -> None:
     strategy.close()
     if silent is not None:
         silent.close()
+
+
+def _connected_to(port: int) -> bool:
+    """True while this process has an established TCP connection to the given port."""
+    return any(c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED
+               for c in psutil.Process().net_connections("tcp"))
 
 
 if __name__ == "__main__":
