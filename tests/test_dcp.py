@@ -13,8 +13,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.stateful import Stateful
 
 from ml_flashpoint_nemo.core import CheckpointSaver, committed_steps, verify_version
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
@@ -179,6 +181,50 @@ def test_state_keys_that_would_share_a_record_are_refused(base_dir):
     assert committed_steps(CheckpointLayout(base_dir)) == [1]
 
 
+class StatefulWithoutState(Stateful):
+    """An app object with nothing to save yet (DCP calls state_dict on save, load_state_dict on load)."""
+
+    def __init__(self) -> None:
+        self.loaded: list[dict[str, Any]] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.loaded.append(state_dict)
+
+
+EMPTY_STATES = {"nothing": dict, "stateful_returns_empty": lambda: {"app": StatefulWithoutState()},
+                "empty_containers": lambda: {"optim": {}, "model": {"layers": {}}}}
+
+
+@pytest.mark.parametrize("kind", sorted(EMPTY_STATES))
+def test_empty_state_commits_and_loads_as_with_file_system_writer(base_dir, tmp_path, kind):
+    """DCP saves an empty state as an empty .metadata; FileSystemReader loads it, so must ours."""
+    saved: dict[str, list[Any]] = {}
+    for name, writer, reader, checkpoint_id in (
+            ("file_system", FileSystemWriter(tmp_path / "fs"), FileSystemReader(tmp_path / "fs"), tmp_path / "fs"),
+            ("ours", MemoryStorageWriter(base_dir), MemoryStorageReader(base_dir), base_dir / "step-1")):
+        state = EMPTY_STATES[kind]()
+        metadata = dcp_without_process_group(lambda: dcp.save(state, checkpoint_id=checkpoint_id,
+                                                              storage_writer=writer))
+        into = EMPTY_STATES[kind]()
+        dcp_without_process_group(lambda: dcp.load(into, checkpoint_id=checkpoint_id, storage_reader=reader))
+        saved[name] = [metadata.state_dict_metadata, reader.read_metadata().state_dict_metadata, into.keys(),
+                       [v.loaded for v in into.values() if isinstance(v, StatefulWithoutState)]]
+        if name == "ours":
+            writer.close()
+    assert saved["ours"] == saved["file_system"], saved
+    assert committed_steps(CheckpointLayout(base_dir)) == [1]
+    assert verify_version(base_dir, 1).objects == 0  # nothing to store: no object
+
+
+def test_empty_state_and_a_rank_with_nothing_to_save_round_trip_on_two_ranks(base_dir):
+    run("empty_states_round_trip", 2, base=base_dir)
+    assert committed_steps(CheckpointLayout(base_dir)) == [1, 2, 3]
+    assert [verify_version(base_dir, step).objects for step in (1, 2, 3)] == [0, 0, 1]
+
+
 # --- what .metadata holds ----------------------------------------------------------------------
 
 
@@ -213,7 +259,8 @@ class StorageInfoOfAnOlderRelease:
         self.key = key
 
 
-@pytest.mark.parametrize("kind", ["class_gone", "foreign_value", "not_metadata"])
+@pytest.mark.parametrize("kind", ["class_gone", "foreign_value", "not_metadata", "storage_data_emptied",
+                                  "storage_data_none"])
 def test_metadata_this_release_cannot_read_is_refused_and_nothing_is_loaded(base_dir, kind, monkeypatch):
     """A version whose .metadata another release wrote (checksums intact) is refused with a clear error."""
     state = save_single_process_version(base_dir, 1)
@@ -223,8 +270,11 @@ def test_metadata_this_release_cannot_read_is_refused_and_nothing_is_loaded(base
     if kind == "class_gone":
         monkeypatch.setattr(storage_info, "StorageInfoOfAnOlderRelease", StorageInfoOfAnOlderRelease, raising=False)
         monkeypatch.setattr(StorageInfoOfAnOlderRelease, "__module__", storage_info.__name__)
-    metadata.storage_data = {i: StorageInfoOfAnOlderRelease(key) if kind == "class_gone" else {"key": key}
-                             for i, (_, key) in metadata.storage_data.items()}
+    if kind in ("class_gone", "foreign_value"):
+        metadata.storage_data = {i: StorageInfoOfAnOlderRelease(key) if kind == "class_gone" else {"key": key}
+                                 for i, (_, key) in metadata.storage_data.items()}
+    else:  # the items stay listed, where they are stored is gone
+        metadata.storage_data = {} if kind == "storage_data_emptied" else None
     encoded = pickle.dumps({"not": "a DCP Metadata"} if kind == "not_metadata" else metadata)
     monkeypatch.undo()  # the class is gone again, as after an upgrade
     metadata_path.write_bytes(encoded)
@@ -234,7 +284,9 @@ def test_metadata_this_release_cannot_read_is_refused_and_nothing_is_loaded(base
 
     dest = {k: torch.zeros_like(v) for k, v in state.items() if isinstance(v, torch.Tensor)}
     expected = {"class_gone": "does not unpickle here", "foreign_value": "not written by this ml_flashpoint_nemo",
-                "not_metadata": "DCP metadata of version 1 holds a dict"}[kind]
+                "not_metadata": "DCP metadata of version 1 holds a dict",
+                "storage_data_emptied": "lists 6 items but no storage data",
+                "storage_data_none": "has storage_data of type NoneType, not a dict"}[kind]
     with pytest.raises((CorruptCheckpointError, CheckpointException), match=expected):
         dcp_without_process_group(lambda: dcp.load(dest, checkpoint_id=base_dir / "step-1",
                                                    storage_reader=MemoryStorageReader(base_dir)))

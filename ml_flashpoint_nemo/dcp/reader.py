@@ -85,9 +85,13 @@ class MemoryStorageReader(StorageReader):
         return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        storage_data = metadata.storage_data or {}
-        if not storage_data:
-            raise CorruptCheckpointError(f"DCP metadata of version {self.step} has no storage data")
+        storage_data = metadata.storage_data  # a dict: decode_metadata checked it
+        if not storage_data and metadata.state_dict_metadata:
+            # An empty state saves an empty .metadata and loads (as with FileSystemWriter); items without storage do not.
+            raise CorruptCheckpointError(
+                f"the DCP metadata of version {self.step} lists {len(metadata.state_dict_metadata)} items but no "
+                "storage data for any of them; load another version, or the durable checkpoint"
+            )
         # Keyed by (fqn, offset), what MetadataIndex compares: tuple hashing and equality run in C,
         # MetadataIndex's dataclass __hash__/__eq__ in Python (two calls per item otherwise).
         step = self.step

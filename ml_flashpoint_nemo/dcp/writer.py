@@ -27,7 +27,7 @@ from ml_flashpoint_nemo.core.gc_pause import without_gc
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.saver import CheckpointSaver
 from ml_flashpoint_nemo.core.version_files import FILES_KEY, describe_bytes, describe_files
-from ml_flashpoint_nemo.core.versions import delete_superseded, write_commit
+from ml_flashpoint_nemo.core.versions import delete_superseded, retire_version, write_commit
 from ml_flashpoint_nemo.dcp.metadata_file import encode_metadata
 from ml_flashpoint_nemo.dcp.staging import StagingBuffers
 from ml_flashpoint_nemo.dcp.storage_info import (
@@ -131,8 +131,14 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         saver = self._saver_for_rank()
         delete_superseded(self.layout.base_dir, keep=self.keep, rank=self.rank, pool=saver.pool)
         flat, described = resolve_write_items(plan, planner)
-        written = saver.write_object(self.step, flat, overwrite=True)
         future: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
+        if not flat:
+            # Nothing of the state is on this rank (an empty state): no object, none the commit record could list.
+            if self.layout.is_committed(self.step):
+                retire_version(self.layout, self.step, rank=self.rank, pool=saver.pool)  # as an overwrite does
+            future.set_result([])
+            return future
+        written = saver.write_object(self.step, flat, overwrite=True)
         future.set_result(write_results(written.record, described))
         return future
 
