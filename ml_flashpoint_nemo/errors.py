@@ -32,8 +32,11 @@ class VersionNotFoundError(FlashpointError):
     """No committed version with the requested step exists."""
 
 
-class VersionExistsError(FlashpointError):
-    """A committed version with this step already exists and overwriting was not requested."""
+class VersionExistsError(FlashpointError, RuntimeError):
+    """A committed version with this step already exists and overwriting was not requested.
+
+    A RuntimeError too, what torch DCP's FileSystemWriter(overwrite=False) raises in the same case.
+    """
 
 
 class CorruptCheckpointError(FlashpointError):

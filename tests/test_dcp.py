@@ -13,15 +13,17 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.stateful import Stateful
 
 from ml_flashpoint_nemo.core import CheckpointSaver, committed_steps, verify_version
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.version_files import FILES_KEY, describe_bytes
 from ml_flashpoint_nemo.core.versions import read_commit, write_commit
 from ml_flashpoint_nemo.dcp import MemoryStorageReader, MemoryStorageWriter, storage_info
-from ml_flashpoint_nemo.errors import BaseDirError, CorruptCheckpointError, UnsupportedValueError
+from ml_flashpoint_nemo.errors import BaseDirError, CorruptCheckpointError, UnsupportedValueError, VersionExistsError
 from tests.support.dcp_scenarios import reader_paths
 from tests.support.multiproc import run_world
 
@@ -91,11 +93,109 @@ def test_reader_refuses_versions_not_saved_through_dcp_and_foreign_paths(base_di
         reader.reset(tmp_path / "step-1")  # right name, other directory
     with pytest.raises(BaseDirError, match="step-<N>"):
         MemoryStorageWriter(base_dir).reset(base_dir / "latest")
-    with pytest.raises(BaseDirError, match="needs checkpoint_id"):
-        MemoryStorageWriter(base_dir).reset(None)
 
 
 # --- single process, no process group (DCP runs without collectives) -------------------------
+
+
+def checkpoint_id_table(base_dir: Path, tmp_path: Path) -> list[tuple[Any, int | None, bool]]:
+    """(checkpoint_id, its step for a writer/reader on base_dir or None if refused, accepted by the class)."""
+    alias = tmp_path / "alias"
+    alias.symlink_to(base_dir)
+    return [
+        (base_dir / "step-1", 1, True),
+        (str(base_dir / "step-12") + "/", 12, True),  # a trailing slash names the same directory
+        (str(alias / "step-3"), 3, True),  # the same base directory through a symlink
+        (base_dir / "sub" / ".." / "step-4", 4, True),
+        (f"file://{base_dir}/step-1", None, False),  # a URL, not a local path
+        (tmp_path / "elsewhere" / "step-1", None, True),  # the form, but another base directory
+        (base_dir / "step-01", None, False),  # not the name version 1 has
+        (str(base_dir / "step-\u0661"), None, False),  # a non-ASCII digit
+        (base_dir / "latest", None, False),
+        (base_dir / "step-1" / "x", None, False),
+        (base_dir, None, False),
+        (42, None, False),
+    ]
+
+
+def test_validate_checkpoint_id_and_reset_agree_on_every_id(base_dir, tmp_path):
+    """One rule: an instance accepts exactly what its reset() accepts; the class, the form any base accepts."""
+    for checkpoint_id, step, class_accepts in checkpoint_id_table(base_dir, tmp_path):
+        for storage in (MemoryStorageWriter(base_dir), MemoryStorageReader(base_dir)):
+            assert storage.validate_checkpoint_id(checkpoint_id) == (step is not None), (storage, checkpoint_id)
+            assert type(storage).validate_checkpoint_id(checkpoint_id) == class_accepts, (storage, checkpoint_id)
+            if step is None:
+                with pytest.raises(BaseDirError, match="step-<N>"):
+                    storage.reset(checkpoint_id)
+            else:
+                storage.reset(checkpoint_id)
+                assert storage.step == step, checkpoint_id
+            if class_accepts:  # a writer/reader on the id's own directory takes it
+                parent = Path(checkpoint_id).absolute().parent
+                type(storage)(parent).reset(checkpoint_id)
+
+
+def test_writer_without_checkpoint_id_fails_at_set_up_saying_what_to_pass(base_dir):
+    writer = MemoryStorageWriter(base_dir)
+    for save in (lambda: dcp.save({"w": torch.ones(3)}, storage_writer=writer),
+                 lambda: dcp.save_state_dict({"w": torch.ones(3)}, writer, no_dist=True)):
+        with pytest.raises(CheckpointException, match=r"needs checkpoint_id=.*/step-<N>.*pass it to dcp.save") as info:
+            dcp_without_process_group(save)
+        assert "set_up_storage_writer" in str(info.value)  # before planning, not inside write_data
+    assert list(base_dir.glob("step-*")) == []
+
+
+def test_deprecated_save_state_dict_and_load_state_dict_keep_the_last_checkpoint_id(base_dir):
+    """save_state_dict calls reset() without an id: the writer keeps the one it was given (as FileSystemWriter)."""
+    writer, reader = MemoryStorageWriter(base_dir), MemoryStorageReader(base_dir)
+    writer.reset(base_dir / "step-5")
+    reader.reset(base_dir / "step-5")
+    for value in (1.0, 2.0):  # the second save replaces step 5 (overwrite=True, the default)
+        save_id = writer.save_id
+        dcp_without_process_group(lambda: dcp.save_state_dict({"w": torch.full((3,), value)}, writer, no_dist=True))
+        assert writer.save_id != save_id  # a new save id, the same step
+        dest = {"w": torch.zeros(3)}
+        dcp_without_process_group(lambda: dcp.load_state_dict(dest, reader, no_dist=True))
+        assert torch.equal(dest["w"], torch.full((3,), value))
+    writer.close()
+    assert committed_steps(CheckpointLayout(base_dir)) == [5]
+
+
+def failure_of_rank_0(save: Any) -> BaseException:
+    with pytest.raises(CheckpointException) as info:
+        dcp_without_process_group(save)
+    return info.value.failures[0][0]
+
+
+def test_overwrite_false_refuses_a_committed_step_with_file_system_writers_error(base_dir, tmp_path):
+    fs_writer = FileSystemWriter(tmp_path / "fs", overwrite=False)
+    dcp_without_process_group(lambda: dcp.save({"w": torch.ones(3)}, checkpoint_id=tmp_path / "fs",
+                                               storage_writer=fs_writer))
+    theirs = failure_of_rank_0(lambda: dcp.save({"w": torch.ones(3)}, checkpoint_id=tmp_path / "fs",
+                                                storage_writer=fs_writer))
+    writer = MemoryStorageWriter(base_dir, overwrite=False)
+    (base_dir / "step-2").mkdir(parents=True)  # an uncommitted leftover is no checkpoint: written over
+    for step in (1, 2):
+        dcp_without_process_group(lambda: dcp.save({"w": torch.full((3,), float(step))},
+                                                   checkpoint_id=base_dir / f"step-{step}", storage_writer=writer))
+    ours = failure_of_rank_0(lambda: dcp.save({"w": torch.zeros(3)}, checkpoint_id=base_dir / "step-2",
+                                              storage_writer=writer))
+    assert type(theirs) is RuntimeError and isinstance(ours, RuntimeError), (theirs, ours)
+    assert isinstance(ours, VersionExistsError) and "overwrite=False" in str(ours), ours
+    writer.close()
+    dest = {"w": torch.zeros(3)}  # nothing lost: step 2 as first saved
+    dcp_without_process_group(lambda: dcp.load(dest, checkpoint_id=base_dir / "step-2",
+                                               storage_reader=MemoryStorageReader(base_dir)))
+    assert torch.equal(dest["w"], torch.full((3,), 2.0))
+    replacing = MemoryStorageWriter(base_dir)  # the default replaces, as before
+    dcp_without_process_group(lambda: dcp.save({"w": torch.full((3,), 9.0)}, checkpoint_id=base_dir / "step-2",
+                                               storage_writer=replacing))
+    replacing.close()
+    dcp_without_process_group(lambda: dcp.load(dest, checkpoint_id=base_dir / "step-2",
+                                               storage_reader=MemoryStorageReader(base_dir)))
+    assert torch.equal(dest["w"], torch.full((3,), 9.0))
+
+
 
 
 def single_process_state() -> dict[str, Any]:
@@ -179,6 +279,50 @@ def test_state_keys_that_would_share_a_record_are_refused(base_dir):
     assert committed_steps(CheckpointLayout(base_dir)) == [1]
 
 
+class StatefulWithoutState(Stateful):
+    """An app object with nothing to save yet (DCP calls state_dict on save, load_state_dict on load)."""
+
+    def __init__(self) -> None:
+        self.loaded: list[dict[str, Any]] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.loaded.append(state_dict)
+
+
+EMPTY_STATES = {"nothing": dict, "stateful_returns_empty": lambda: {"app": StatefulWithoutState()},
+                "empty_containers": lambda: {"optim": {}, "model": {"layers": {}}}}
+
+
+@pytest.mark.parametrize("kind", sorted(EMPTY_STATES))
+def test_empty_state_commits_and_loads_as_with_file_system_writer(base_dir, tmp_path, kind):
+    """DCP saves an empty state as an empty .metadata; FileSystemReader loads it, so must ours."""
+    saved: dict[str, list[Any]] = {}
+    for name, writer, reader, checkpoint_id in (
+            ("file_system", FileSystemWriter(tmp_path / "fs"), FileSystemReader(tmp_path / "fs"), tmp_path / "fs"),
+            ("ours", MemoryStorageWriter(base_dir), MemoryStorageReader(base_dir), base_dir / "step-1")):
+        state = EMPTY_STATES[kind]()
+        metadata = dcp_without_process_group(lambda: dcp.save(state, checkpoint_id=checkpoint_id,
+                                                              storage_writer=writer))
+        into = EMPTY_STATES[kind]()
+        dcp_without_process_group(lambda: dcp.load(into, checkpoint_id=checkpoint_id, storage_reader=reader))
+        saved[name] = [metadata.state_dict_metadata, reader.read_metadata().state_dict_metadata, into.keys(),
+                       [v.loaded for v in into.values() if isinstance(v, StatefulWithoutState)]]
+        if name == "ours":
+            writer.close()
+    assert saved["ours"] == saved["file_system"], saved
+    assert committed_steps(CheckpointLayout(base_dir)) == [1]
+    assert verify_version(base_dir, 1).objects == 0  # nothing to store: no object
+
+
+def test_empty_state_and_a_rank_with_nothing_to_save_round_trip_on_two_ranks(base_dir):
+    run("empty_states_round_trip", 2, base=base_dir)
+    assert committed_steps(CheckpointLayout(base_dir)) == [1, 2, 3]
+    assert [verify_version(base_dir, step).objects for step in (1, 2, 3)] == [0, 0, 1]
+
+
 # --- what .metadata holds ----------------------------------------------------------------------
 
 
@@ -213,7 +357,8 @@ class StorageInfoOfAnOlderRelease:
         self.key = key
 
 
-@pytest.mark.parametrize("kind", ["class_gone", "foreign_value", "not_metadata"])
+@pytest.mark.parametrize("kind", ["class_gone", "foreign_value", "not_metadata", "storage_data_emptied",
+                                  "storage_data_none"])
 def test_metadata_this_release_cannot_read_is_refused_and_nothing_is_loaded(base_dir, kind, monkeypatch):
     """A version whose .metadata another release wrote (checksums intact) is refused with a clear error."""
     state = save_single_process_version(base_dir, 1)
@@ -223,8 +368,11 @@ def test_metadata_this_release_cannot_read_is_refused_and_nothing_is_loaded(base
     if kind == "class_gone":
         monkeypatch.setattr(storage_info, "StorageInfoOfAnOlderRelease", StorageInfoOfAnOlderRelease, raising=False)
         monkeypatch.setattr(StorageInfoOfAnOlderRelease, "__module__", storage_info.__name__)
-    metadata.storage_data = {i: StorageInfoOfAnOlderRelease(key) if kind == "class_gone" else {"key": key}
-                             for i, (_, key) in metadata.storage_data.items()}
+    if kind in ("class_gone", "foreign_value"):
+        metadata.storage_data = {i: StorageInfoOfAnOlderRelease(key) if kind == "class_gone" else {"key": key}
+                                 for i, (_, key) in metadata.storage_data.items()}
+    else:  # the items stay listed, where they are stored is gone
+        metadata.storage_data = {} if kind == "storage_data_emptied" else None
     encoded = pickle.dumps({"not": "a DCP Metadata"} if kind == "not_metadata" else metadata)
     monkeypatch.undo()  # the class is gone again, as after an upgrade
     metadata_path.write_bytes(encoded)
@@ -234,7 +382,9 @@ def test_metadata_this_release_cannot_read_is_refused_and_nothing_is_loaded(base
 
     dest = {k: torch.zeros_like(v) for k, v in state.items() if isinstance(v, torch.Tensor)}
     expected = {"class_gone": "does not unpickle here", "foreign_value": "not written by this ml_flashpoint_nemo",
-                "not_metadata": "DCP metadata of version 1 holds a dict"}[kind]
+                "not_metadata": "DCP metadata of version 1 holds a dict",
+                "storage_data_emptied": "lists 6 items but no storage data",
+                "storage_data_none": "has storage_data of type NoneType, not a dict"}[kind]
     with pytest.raises((CorruptCheckpointError, CheckpointException), match=expected):
         dcp_without_process_group(lambda: dcp.load(dest, checkpoint_id=base_dir / "step-1",
                                                    storage_reader=MemoryStorageReader(base_dir)))

@@ -39,6 +39,13 @@ def test_megatron_save_load_round_trip(base_dir, world_size, mode, fully_paralle
     assert (base_dir / "step-3" / "metadata.json").is_file()
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_megatron_checkpoint_of_only_common_state_loads_as_with_torch_dist(base_dir, tmp_path, mode):
+    outputs = run("only_common_state_round_trips_as_with_torch_dist", 2, base=base_dir, durable=tmp_path / "durable",
+                  mode=mode)
+    assert all("EMPTY LOADED [1]" in out for out in outputs), outputs
+
+
 @pytest.mark.parametrize("file, offset", [("rank-00001-0.fpo", 64 + 10),  # inside the first record
                                           # torch.load would return {"hteration": 1}: zip CRCs are not checked
                                           ("common.pt", "iteration")])

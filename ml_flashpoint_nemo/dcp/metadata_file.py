@@ -50,4 +50,12 @@ def decode_metadata(encoded: bytes, step: int | None) -> Metadata:
         ) from exc
     if not isinstance(metadata, Metadata):
         raise CorruptCheckpointError(f"the DCP metadata of version {step} holds a {type(metadata).__name__}")
+    # The writer always records both (empty for an empty state); anything else is not a save of ours.
+    for field in ("state_dict_metadata", "storage_data"):
+        if type(getattr(metadata, field)) is not dict:
+            raise CorruptCheckpointError(
+                f"the DCP metadata of version {step} has {field} of type {type(getattr(metadata, field)).__name__}, "
+                "not a dict: it was not written by this ml_flashpoint_nemo. Load another version, or the durable "
+                "checkpoint."
+            )
     return metadata

@@ -27,7 +27,13 @@ from ml_flashpoint_nemo.core.values import dtype_name
 from ml_flashpoint_nemo.core.versions import committed_steps, read_commit
 from ml_flashpoint_nemo.core.version_files import read_checked_file
 from ml_flashpoint_nemo.dcp.metadata_file import decode_metadata
-from ml_flashpoint_nemo.dcp.storage_info import DCP_METADATA_NAME, ItemLocation, item_location, step_of_checkpoint_id
+from ml_flashpoint_nemo.dcp.storage_info import (
+    DCP_METADATA_NAME,
+    CheckpointIdCheck,
+    ItemLocation,
+    item_location,
+    step_of_checkpoint_id,
+)
 from ml_flashpoint_nemo.errors import CorruptCheckpointError, VersionNotFoundError
 
 logger = logging.getLogger(__name__)
@@ -48,9 +54,7 @@ class MemoryStorageReader(StorageReader):
         self._commit: CommitRecord | None = None
         self._storage_data: dict[tuple[str, Any], ItemLocation] = {}  # (fqn, offset) -> where it is
 
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return os.path.basename(os.fspath(checkpoint_id)).startswith("step-")
+    validate_checkpoint_id = CheckpointIdCheck()  # agrees with reset(): see step_of_checkpoint_id
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.load_id = uuid.uuid4().hex
@@ -85,9 +89,13 @@ class MemoryStorageReader(StorageReader):
         return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        storage_data = metadata.storage_data or {}
-        if not storage_data:
-            raise CorruptCheckpointError(f"DCP metadata of version {self.step} has no storage data")
+        storage_data = metadata.storage_data  # a dict: decode_metadata checked it
+        if not storage_data and metadata.state_dict_metadata:
+            # An empty state saves an empty .metadata and loads (as with FileSystemWriter); items without storage do not.
+            raise CorruptCheckpointError(
+                f"the DCP metadata of version {self.step} lists {len(metadata.state_dict_metadata)} items but no "
+                "storage data for any of them; load another version, or the durable checkpoint"
+            )
         # Keyed by (fqn, offset), what MetadataIndex compares: tuple hashing and equality run in C,
         # MetadataIndex's dataclass __hash__/__eq__ in Python (two calls per item otherwise).
         step = self.step

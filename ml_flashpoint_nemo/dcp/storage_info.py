@@ -21,7 +21,7 @@ from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.errors import BaseDirError, CorruptCheckpointError
 
 DCP_METADATA_NAME = ".metadata"
-_STEP_NAME = re.compile(r"^step-(\d+)$")
+_STEP_NAME = re.compile(r"step-(0|[1-9][0-9]*)", re.ASCII)  # canonical, as CheckpointLayout.version_dir names it
 
 WrittenItem = tuple[ObjectRecord, str]  # (record of the object holding the item, record key)
 ItemLocation = tuple[str, str]  # (object file name, record key)
@@ -46,13 +46,45 @@ def record_key(index: MetadataIndex) -> str:
     return f"{index.fqn}@{','.join(map(str, offset))}"
 
 
-def step_of_checkpoint_id(layout: CheckpointLayout, checkpoint_id: str | os.PathLike[str]) -> int:
-    """The step of checkpoint_id, which must be <base_dir>/step-<N> (checked on real paths, not strings)."""
-    path = Path(checkpoint_id).absolute()
-    match = _STEP_NAME.match(path.name)
-    if match is None or os.path.realpath(path.parent) != os.path.realpath(layout.base_dir):
+def step_of_checkpoint_id(layout: CheckpointLayout | None, checkpoint_id: Any) -> int:
+    """The step of checkpoint_id, the one rule for what a checkpoint id is: a local path <base_dir>/step-<N>.
+
+    N is written canonically (step-7, not step-07), a trailing slash is allowed, a URL (file://...) is not.
+    With a layout, the parent must be its base directory (real paths compared, symlinks resolved).
+    """
+    if not isinstance(checkpoint_id, (str, os.PathLike)) or "://" in os.fspath(checkpoint_id):
         raise BaseDirError(
-            f"checkpoint_id {str(checkpoint_id)!r} is not of the form {layout.base_dir}/step-<N>: flashpoint "
+            f"checkpoint_id {checkpoint_id!r} is not a local path {_expected(layout)}: pass a path, not a URL"
+        )
+    path = Path(checkpoint_id).absolute()  # "<base>/step-1/" names step-1
+    match = _STEP_NAME.fullmatch(path.name)
+    if match is None or (layout is not None and os.path.realpath(path.parent) != os.path.realpath(layout.base_dir)):
+        raise BaseDirError(
+            f"checkpoint_id {os.fspath(checkpoint_id)!r} is not of the form {_expected(layout)}: flashpoint "
             "versions live directly in the base directory the writer/reader was created with."
         )
     return int(match.group(1))
+
+
+def _expected(layout: CheckpointLayout | None) -> str:
+    return f"{layout.base_dir if layout is not None else '<base_dir>'}/step-<N>"
+
+
+class CheckpointIdCheck:
+    """validate_checkpoint_id of the writer and reader, deciding as their reset() does.
+
+    On the class (DCP's storage auto-detection) it checks the form <dir>/step-<N>; on an
+    instance it also checks the directory is that writer's or reader's base directory.
+    """
+
+    def __get__(self, instance: Any, owner: type) -> Any:
+        layout = getattr(instance, "layout", None) if instance is not None else None
+
+        def validate_checkpoint_id(checkpoint_id: Any) -> bool:
+            try:
+                step_of_checkpoint_id(layout, checkpoint_id)
+            except BaseDirError:
+                return False
+            return True
+
+        return validate_checkpoint_id

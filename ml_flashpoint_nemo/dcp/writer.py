@@ -27,17 +27,18 @@ from ml_flashpoint_nemo.core.gc_pause import without_gc
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.saver import CheckpointSaver
 from ml_flashpoint_nemo.core.version_files import FILES_KEY, describe_bytes, describe_files
-from ml_flashpoint_nemo.core.versions import delete_superseded, write_commit
+from ml_flashpoint_nemo.core.versions import delete_superseded, retire_version, write_commit
 from ml_flashpoint_nemo.dcp.metadata_file import encode_metadata
 from ml_flashpoint_nemo.dcp.staging import StagingBuffers
 from ml_flashpoint_nemo.dcp.storage_info import (
     DCP_METADATA_NAME,
+    CheckpointIdCheck,
     ItemLocation,
     WrittenItem,
     record_key,
     step_of_checkpoint_id,
 )
-from ml_flashpoint_nemo.errors import BaseDirError, UnsupportedValueError
+from ml_flashpoint_nemo.errors import BaseDirError, UnsupportedValueError, VersionExistsError
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,8 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
     """Writes DCP checkpoints as flashpoint versions under base_dir (one object per rank).
 
     Use checkpoint_id=<base_dir>/step-<N>. `keep` committed versions are kept; the
-    writer may be reused for every save of a job (its buffers are reused too).
+    writer may be reused for every save of a job (its buffers are reused too). A save to
+    a step already committed replaces it, unless overwrite=False (then it is refused).
 
     DCP's process executor runs write_data and finish in the same background process,
     so no result has to cross processes here and no Manager is needed; the Megatron
@@ -62,9 +64,11 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         keep: int = 1,
         checksum: bool = True,
         threads: int | None = None,
+        overwrite: bool = True,
     ) -> None:
         super().__init__()
         self.layout = CheckpointLayout(base_dir)
+        self.overwrite = overwrite
         self.keep = keep
         self.checksum = checksum
         self.threads = threads
@@ -90,20 +94,21 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
 
     # --- StorageWriter ---------------------------------------------------------------------
 
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return os.path.basename(os.fspath(checkpoint_id)).startswith("step-")
+    validate_checkpoint_id = CheckpointIdCheck()  # agrees with reset(): see step_of_checkpoint_id
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if checkpoint_id is None:
-            raise BaseDirError(
-                f"MemoryStorageWriter needs checkpoint_id={self.layout.base_dir}/step-<N> to know the step"
-            )
-        self.step = step_of_checkpoint_id(self.layout, checkpoint_id)
-        self.checkpoint_id = os.fspath(checkpoint_id)
+        """Point the writer at checkpoint_id for the next save; None keeps the last one (as FileSystemWriter)."""
+        if checkpoint_id is not None:
+            self.step = step_of_checkpoint_id(self.layout, checkpoint_id)
+            self.checkpoint_id = os.fspath(checkpoint_id)
         self.save_id = uuid.uuid4().hex
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self.step is None:  # before planning, on every rank (DCP gathers the error)
+            raise BaseDirError(
+                f"MemoryStorageWriter needs checkpoint_id={self.layout.base_dir}/step-<N> to know the step: pass it "
+                "to dcp.save, or call writer.reset(checkpoint_id) before save_state_dict"
+            )
         self.is_coordinator = is_coordinator
         # Objects and pools are per global rank, whatever process group DCP was given.
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(kwargs.get("rank") or 0)
@@ -112,6 +117,12 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        # Where FileSystemWriter checks, with its error type (a RuntimeError); DCP raises it on every rank.
+        if not self.overwrite and self.layout.is_committed(self.step):
+            raise VersionExistsError(
+                f"step {self.step} is already committed in {self.layout.base_dir} and overwrite=False: save to "
+                "another step, or create the MemoryStorageWriter with overwrite=True"
+            )
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -131,8 +142,14 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         saver = self._saver_for_rank()
         delete_superseded(self.layout.base_dir, keep=self.keep, rank=self.rank, pool=saver.pool)
         flat, described = resolve_write_items(plan, planner)
-        written = saver.write_object(self.step, flat, overwrite=True)
         future: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
+        if not flat:
+            # Nothing of the state is on this rank (an empty state): no object, none the commit record could list.
+            if self.layout.is_committed(self.step):
+                retire_version(self.layout, self.step, rank=self.rank, pool=saver.pool)  # as an overwrite does
+            future.set_result([])
+            return future
+        written = saver.write_object(self.step, flat, overwrite=True)
         future.set_result(write_results(written.record, described))
         return future
 

@@ -176,6 +176,25 @@ def save_fails_then_previous_loads(p: dict[str, Any]) -> None:
     writer.close()
 
 
+def empty_states_round_trip(p: dict[str, Any]) -> None:
+    """Step 1: nothing to save (sync); 2: nothing (async); 3: only rank 0 has a tensor."""
+    writer = MemoryStorageWriter(p["base"], keep=3)
+    dcp.save({}, checkpoint_id=checkpoint_id(p["base"], 1), storage_writer=writer)
+    dcp.async_save({}, checkpoint_id=checkpoint_id(p["base"], 2), storage_writer=writer,
+                   async_checkpointer_type=AsyncCheckpointerType.THREAD).result(timeout=120)
+    only_rank0 = {"rank_local.0": torch.arange(4.0)} if dist.get_rank() == 0 else {}
+    dcp.save(only_rank0, checkpoint_id=checkpoint_id(p["base"], 3), storage_writer=writer)
+    for step in (1, 2):
+        nothing: dict[str, Any] = {}
+        dcp.load(nothing, checkpoint_id=checkpoint_id(p["base"], step), storage_reader=MemoryStorageReader(p["base"]))
+        assert nothing == {}, nothing
+    into = {"rank_local.0": torch.zeros(4)} if dist.get_rank() == 0 else {}
+    dcp.load(into, checkpoint_id=checkpoint_id(p["base"], 3), storage_reader=MemoryStorageReader(p["base"]))
+    assert dist.get_rank() != 0 or torch.equal(into["rank_local.0"], torch.arange(4.0)), into
+    writer.close()
+
+
 if __name__ == "__main__":
     scenario_main({f.__name__: f for f in (sync_roundtrip, async_roundtrip, save_only, load_resharded,
-                                           load_wrong_shape, load_expect_failure, save_fails_then_previous_loads)})
+                                           load_wrong_shape, load_expect_failure, save_fails_then_previous_loads,
+                                           empty_states_round_trip)})

@@ -392,6 +392,42 @@ def manager_failure_fails_first_save_everywhere(p: dict[str, Any]) -> None:
     expect_failure(lambda: save(p, 1, AsyncCallsQueue(persistent=False)), "SAVE FAILED")
 
 
+def only_common_state_round_trips_as_with_torch_dist(p: dict[str, Any]) -> None:
+    """A checkpoint with no sharded tensor (Megatron's test_empty_load, content metadata only) saves and loads.
+
+    The same save and load through torch_dist, in p["durable"], gives what ours must give.
+    """
+    from megatron.core.dist_checkpointing.serialization import (
+        get_default_load_sharded_strategy,
+        get_default_save_sharded_strategy,
+        load_content_metadata,
+    )
+
+    content = {"kind": "only common state", "iteration": 7}
+    common = {"iteration": 7, "args": {"lr": 0.5}}
+    queue = AsyncCallsQueue(persistent=False) if p["mode"] == "async" else None
+    strategy = FlashpointSaveStrategy()
+    results = {}
+    for name, base in (("ours", p["base"]), ("torch_dist", p["durable"])):
+        directory = version_dir(base, 1)
+        save_with = strategy if name == "ours" else get_default_save_sharded_strategy("torch_dist")
+        request = dist_checkpointing.save(dict(common), directory, sharded_strategy=save_with,
+                                          async_sharded_save=queue is not None and name == "ours",
+                                          content_metadata=content)
+        if request is not None:
+            queue.schedule_async_request(request)
+            queue.maybe_finalize_async_calls(blocking=True)
+        load_with = FlashpointLoadStrategy() if name == "ours" else get_default_load_sharded_strategy(directory)
+        loaded = dist_checkpointing.load({}, directory, sharded_strategy=load_with)
+        results[name] = (loaded, load_content_metadata(preloaded_state_dict=loaded), load_content_metadata(directory))
+    assert results["ours"] == results["torch_dist"], results
+    assert results["ours"][1] == content and results["ours"][0]["args"] == common["args"], results
+    if queue is not None:
+        queue.close()
+    strategy.close()
+    print("EMPTY LOADED", committed_steps(CheckpointLayout(p["base"])))
+
+
 if __name__ == "__main__":
     scenario_main({f.__name__: f for f in (roundtrip, save_then_corrupt_is_refused, interrupted_config_rewrite_is_repaired,
                                            failed_background_write_fails_every_rank,
@@ -403,4 +439,5 @@ if __name__ == "__main__":
                                            dead_persistent_worker_drops_its_saves_everywhere,
                                            saves_fork_until_the_persistent_worker_is_up,
                                            worker_dead_while_booting_leaves_saves_to_forks,
-                                           hung_worker_fails_its_save_within_the_timeout)})
+                                           hung_worker_fails_its_save_within_the_timeout,
+                                           only_common_state_round_trips_as_with_torch_dist)})
