@@ -16,7 +16,8 @@ writer (DESIGN.md section 3):
   built-in proxies, so its child skips that import (see
   :func:`main_module_not_reimported`).
 * The Manager process dies with the process that started it, SIGKILL included: an
-  orphan could outlive an in-job restart. See :func:`_server_init`.
+  orphan could outlive an in-job restart. See :func:`_server_init`. And it never keeps
+  that process from exiting: a start still in progress at exit is abandoned (core/exits.py).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from concurrent.futures import TimeoutError as FutureTimeoutError
 from multiprocessing.managers import SyncManager
 from typing import Any, Callable, Iterator
 
-from ml_flashpoint_nemo.core import lifecycle
+from ml_flashpoint_nemo.core import exits, lifecycle
 from ml_flashpoint_nemo.core.parent_death import tie_to_parent
 from ml_flashpoint_nemo.errors import ManagerStartError
 
@@ -134,6 +135,8 @@ class ManagerFuture(Future[SyncManager]):
     def _begin(self, server_hook: Callable[[], Any] | None) -> None:
         self.set_running_or_notify_cancel()  # from now on cancel() is a no-op; close() abandons instead
         lifecycle.register(self, ManagerFuture.close, f"multiprocessing Manager (future at {id(self):#x})")
+        # Until it is up, its half-started process has no shutdown finalizer: multiprocessing's exit would join it.
+        exits.stop_at_exit(self, ManagerFuture.close, f"multiprocessing Manager (future at {id(self):#x})")
         self._timer = threading.Timer(self.timeout, self._expire)
         self._timer.name = "flashpoint-manager-deadline"
         self._timer.daemon = True

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 from megatron.core.dist_checkpointing.strategies.async_utils import (
@@ -28,12 +28,14 @@ from megatron.core.dist_checkpointing.strategies.async_utils import (
     TemporalAsyncCaller,
 )
 
+from ml_flashpoint_nemo.core import exits
 from ml_flashpoint_nemo.core.manager import main_module_not_reimported
 from ml_flashpoint_nemo.core.parent_death import tie_to_parent
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_GRACE_S = 5.0
+EXIT_GRACE_S = 1.0  # at the process's exit an idle worker gets this long to leave before SIGKILL
 
 
 class PersistentWorkerQueue(AsyncCallsQueue):
@@ -45,10 +47,13 @@ class PersistentWorkerQueue(AsyncCallsQueue):
     asks each call's own caller whether it is done, oldest call first.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, _boot_hook: Callable[[], Any] | None = None) -> None:
+        """`_boot_hook` is for tests only: a picklable module-level callable the worker runs as it boots."""
         super().__init__(persistent=True)
         self._started: tuple[Any, Any] | None = None  # (the caller we started, the event its worker sets when up)
         self._boot_failure: str | None = None  # set once a worker died before it was up: no more tries
+        self._boot_hook = _boot_hook
+        stop_workers_at_exit(self)
 
     def start_worker(self) -> bool:
         """Spawn the persistent worker now if none runs; True if it started one.
@@ -66,7 +71,8 @@ class PersistentWorkerQueue(AsyncCallsQueue):
         rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
         caller.process = context.Process(
             target=_tied_async_loop, name=f"flashpoint-save-worker-{rank}",
-            args=(os.getpid(), ready, rank, caller.queue, caller.preload_q, caller.comp_q, logger.getEffectiveLevel()),
+            args=(os.getpid(), ready, self._boot_hook, rank, caller.queue, caller.preload_q, caller.comp_q,
+                  logger.getEffectiveLevel()),
         )
         with main_module_not_reimported():  # the worker needs nothing of the training script
             caller.process.start()
@@ -107,23 +113,41 @@ class PersistentWorkerQueue(AsyncCallsQueue):
         return f"The persistent async-save worker (pid {process.pid}) exited with code {process.exitcode} while booting"
 
 
-def _tied_async_loop(trainer_pid: int, ready: Any, rank: int, *channels_and_level: Any) -> None:
+def _tied_async_loop(trainer_pid: int, ready: Any, boot_hook: Callable[[], Any] | None, rank: int,
+                     *channels_and_level: Any) -> None:
     """The worker's main: tie it to the trainer, load what every save runs, say it is up, serve Megatron's loop."""
     tie_to_parent(trainer_pid, watchdog_name="flashpoint-save-worker-watchdog")
+    if boot_hook is not None:
+        boot_hook()
     import ml_flashpoint_nemo.megatron.strategies  # noqa: F401 - the first save's unpickling would import it
 
     ready.set()
     PersistentAsyncCaller.async_loop(rank, *channels_and_level)
 
 
+def stop_workers_at_exit(queue: AsyncCallsQueue) -> None:
+    """Stop `queue`'s workers when the process exits, so that none keeps it in multiprocessing's exit join.
+
+    Megatron's workers are not daemons: one that never booted or is stuck would otherwise hold a
+    failing trainer forever (see core/exits.py).
+    """
+    exits.stop_at_exit(queue, _stop_at_exit, f"async-save workers of {type(queue).__name__} at {id(queue):#x}")
+
+
+def _stop_at_exit(queue: AsyncCallsQueue) -> None:
+    stop_async_workers(queue, grace_s=EXIT_GRACE_S)
+
+
 def stop_async_workers(queue: AsyncCallsQueue, *, grace_s: float = DEFAULT_GRACE_S) -> int:
     """Kill the workers of `queue`'s unfinalized calls, stop its persistent worker, drop those calls.
 
     Saves still in flight are lost (they were never committed). An idle persistent worker is
-    asked to exit and killed only if it does not within `grace_s`. Runs no collective and no
-    torch.distributed call, so it works after an abort and from another thread. Returns the
-    number of worker processes that were still running.
+    asked to exit and killed only if it does not within `grace_s`; one still booting (it reads
+    no message yet) is killed at once. Runs no collective and no torch.distributed call, so it
+    works after an abort, at exit and from another thread. Returns the number of worker
+    processes that were still running.
     """
+    booting = isinstance(queue, PersistentWorkerQueue) and not queue.worker_ready()
     calls = list(queue.async_calls)
     queue.async_calls.clear()
     stopped = 0
@@ -135,7 +159,7 @@ def stop_async_workers(queue: AsyncCallsQueue, *, grace_s: float = DEFAULT_GRACE
         stopped += _end_process(process, kill=True, grace_s=grace_s)
     persistent, queue.persistent_caller = queue.persistent_caller, None
     if isinstance(persistent, PersistentAsyncCaller):
-        stopped += _stop_persistent(persistent, kill=bool(calls), grace_s=grace_s)
+        stopped += _stop_persistent(persistent, kill=bool(calls) or booting, grace_s=grace_s)
     if calls:
         logger.info("Dropped %d unfinalized async save(s); %d worker process(es) stopped", len(calls), stopped)
     return stopped

@@ -41,7 +41,12 @@ from ml_flashpoint_nemo.core.versions import read_commit, retire_version
 from ml_flashpoint_nemo.dcp.storage_info import step_of_checkpoint_id
 from ml_flashpoint_nemo.dcp.writer import release_process_savers
 from ml_flashpoint_nemo.errors import BaseDirError, FlashpointError, OutOfSpaceError, TrainerSetupError
-from ml_flashpoint_nemo.megatron.async_workers import PersistentWorkerQueue, dead_persistent_worker, stop_async_workers
+from ml_flashpoint_nemo.megatron.async_workers import (
+    PersistentWorkerQueue,
+    dead_persistent_worker,
+    stop_async_workers,
+    stop_workers_at_exit,
+)
 from ml_flashpoint_nemo.megatron.strategies import FlashpointSaveStrategy
 from ml_flashpoint_nemo.nemo.settings import FlashpointSettings
 from ml_flashpoint_nemo.replication.service import ReplicationConfig
@@ -94,6 +99,7 @@ class FlashpointCheckpointIO(AsyncFinalizableCheckpointIO):
             replication=ReplicationConfig(factor=settings.replication_factor),
         )
         self.flashpoint_queue = PersistentWorkerQueue() if settings.persistent_worker else AsyncCallsQueue()
+        stop_workers_at_exit(self.flashpoint_queue)  # forked workers are not daemons either: none may block the exit
         if not settings.persistent_worker and sys.version_info < FORK_SAFE_PYTHON:
             _warn_fork_can_deadlock()
         self.outcomes: list[SaveOutcome] = []  # finalized saves not yet reported by the callback
