@@ -22,3 +22,10 @@ def test_keep_for_next_save_proceeds_on_every_rank_after_a_local_failure(shm_dir
     assert [e in out for e, out in zip(expected, outputs)] == [True, True], outputs
     if failure == "peer_name":
         assert "\\xff\\x0aforged" in outputs[0] and "\nforged" not in outputs[0], outputs[0]
+
+
+def test_choose_version_agrees_on_no_version_when_one_rank_cannot_list_its_versions(shm_dir):
+    outputs = run_world("collective_scenarios", "choose_after_a_listing_failure", 2, {"root": str(shm_dir)},
+                        timeout=DEADLINE_S)
+    assert all("CHOSEN None" in out for out in outputs), outputs
+    assert "cannot list its RAM checkpoint versions" in outputs[1], outputs[1]

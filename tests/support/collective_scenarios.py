@@ -64,5 +64,20 @@ def agree_on_secret(p: dict[str, Any]) -> None:
     dist.barrier()  # every rank is still in the job: nobody was left in a collective
 
 
+def choose_after_a_listing_failure(p: dict[str, Any]) -> None:
+    """Rank 1 cannot list its versions: every rank agrees that no RAM version is usable."""
+    from ml_flashpoint_nemo.core import recovery
+
+    base = _node_base(p)
+    base.mkdir(parents=True, exist_ok=True)
+    if dist.get_rank() == 1:
+        def broken(layout: Any) -> list[int]:
+            raise PermissionError(13, "Permission denied", os.fspath(layout.base_dir))
+        recovery.committed_steps = broken
+    os.environ["FLASHPOINT_REPLICATION_SECRET"] = "ab" * 32
+    print(f"CHOSEN {recovery.choose_version(base).step}", flush=True)
+
+
 if __name__ == "__main__":
-    scenario_main({f.__name__: f for f in (keep_after_a_local_failure, agree_on_secret)})
+    scenario_main({f.__name__: f for f in (keep_after_a_local_failure, agree_on_secret,
+                                           choose_after_a_listing_failure)})
