@@ -75,6 +75,54 @@ void shm_releasebuffer(PyObject* obj, Py_buffer*) {
   }
 }
 
+// The one door from C++ text to Python str for anything a peer may have chosen (names in
+// messages, a peer's refusal text, server errors): printable ASCII stays, every other byte
+// becomes \xNN. So such text never raises UnicodeDecodeError and never starts a log line.
+std::string printable_text(const std::string& text) {
+  static const char* hex = "0123456789abcdef";
+  std::string out;
+  out.reserve(text.size());
+  for (unsigned char c : text) {
+    if (c >= 0x20 && c < 0x7f) {
+      out += char(c);
+    } else {
+      out += "\\x";
+      out += hex[c >> 4];
+      out += hex[c & 15];
+    }
+  }
+  return out;
+}
+
+// The Python classes of the transfer errors, most derived first (set once at import).
+struct TransferErrorClass {
+  PyObject* type;
+  bool (*matches)(const TransferError&);
+};
+template <typename T>
+bool is_a(const TransferError& e) {
+  return dynamic_cast<const T*>(&e) != nullptr;
+}
+std::vector<TransferErrorClass>& transfer_error_classes() {
+  static std::vector<TransferErrorClass> classes;
+  return classes;
+}
+
+// Raises a transfer error as its Python class with the message made printable_text.
+void translate_transfer_error(std::exception_ptr p) {
+  try {
+    if (p) std::rethrow_exception(p);
+  } catch (const TransferError& e) {
+    for (const TransferErrorClass& c : transfer_error_classes()) {
+      if (c.matches(e)) {
+        PyErr_SetString(c.type, printable_text(e.what()).c_str());
+        return;
+      }
+    }
+    throw;
+  }
+}
+
 std::string fspath(const py::object& path) {
   return py::module_::import("os").attr("fspath")(path).cast<std::string>();
 }
@@ -141,6 +189,17 @@ void register_transfer(py::module_& m) {
   py::register_exception<TransferPathError>(m, "TransferPathError", path_bases).doc() =
       "An object path was refused (absolute, '..', empty component, NUL, too long, or resolving through a "
       "symlink / non-directory). Also a ValueError; the message names the path.";
+  // Registered last, so it is tried first: the same classes, with the message escaped.
+  transfer_error_classes() = {
+      {m.attr("TransferPathError").ptr(), is_a<TransferPathError>},
+      {m.attr("TransferNotFoundError").ptr(), is_a<TransferNotFoundError>},
+      {m.attr("TransferRefusedError").ptr(), is_a<TransferRefusedError>},
+      {m.attr("TransferChecksumError").ptr(), is_a<TransferChecksumError>},
+      {m.attr("TransferTimeoutError").ptr(), is_a<TransferTimeoutError>},
+      {m.attr("TransferAuthError").ptr(), is_a<TransferAuthError>},
+      {m.attr("TransferError").ptr(), is_a<TransferError>},
+  };
+  py::register_exception_translator(translate_transfer_error);
 
   m.def(
       "sha256", [](const py::buffer& data) {
@@ -307,8 +366,14 @@ void register_transfer(py::module_& m) {
           },
           "Close the listener and every connection and join every thread. Idempotent.")
       .def(
-          "errors", [](TransferServer& self) { return self.take_errors(); },
-          "Errors raised inside the service threads since the last call, as strings (then cleared).")
+          "errors",
+          [](TransferServer& self) {
+            std::vector<std::string> errors = self.take_errors();
+            for (std::string& e : errors) e = printable_text(e);
+            return errors;
+          },
+          "Errors raised inside the service threads since the last call, as strings (then cleared). Bytes\n"
+          "outside printable ASCII (peers choose names and messages) appear as \\xNN.")
       .def("stats", &TransferServer::stats,
            "Counters: accepted, rejected_busy, auth_failures, ..., spares_taken (pushes received into a spare\n"
            "file), mappings_reused (of those, written through a mapping kept from an earlier reception).")
@@ -336,8 +401,15 @@ PYBIND11_MODULE(_core, m) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const OsError& e) {
-      py::object err = py::module_::import("builtins").attr("OSError")(
-          e.error_number(), std::string(e.what()), e.path().empty() ? py::object(py::none()) : py::str(e.path()));
+      // The message may name a path a peer chose; the filename is the file system's bytes, as os.fsdecode.
+      py::object filename = py::none();
+      if (!e.path().empty()) {
+        PyObject* decoded = PyUnicode_DecodeFSDefaultAndSize(e.path().data(), static_cast<Py_ssize_t>(e.path().size()));
+        if (decoded != nullptr) filename = py::reinterpret_steal<py::object>(decoded);
+        else PyErr_Clear();
+      }
+      py::object err = py::module_::import("builtins").attr("OSError")(e.error_number(), printable_text(e.what()),
+                                                                       filename);
       PyErr_SetObject(PyExc_OSError, err.ptr());
     }
   });

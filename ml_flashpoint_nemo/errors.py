@@ -73,3 +73,7 @@ class ManagerStartError(FlashpointError):
 
 class TrainerSetupError(FlashpointError):
     """The trainer cannot be wired for flashpoint checkpoints as configured (strategy, checkpoint IO, options)."""
+
+
+class ReplicationSecretError(FlashpointError):
+    """The replication job secret is missing on some ranks, differs between ranks, or its file is unsafe."""

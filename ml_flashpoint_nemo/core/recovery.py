@@ -91,7 +91,11 @@ def choose_version(base_dir: str | os.PathLike[str]) -> RecoveryChoice:
         fetch_missing_from_peers(base_dir)
     layout = CheckpointLayout(base_dir)
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    local = set(committed_steps(layout))
+    try:  # a rank that cannot list its versions offers none; it must still reach the gather
+        local = set(committed_steps(layout))
+    except OSError as exc:
+        logger.warning("Rank %d cannot list its RAM checkpoint versions in %s: %s", rank, layout.base_dir, exc)
+        local = set()
     everyone: list[Any] = [None] * world_size
     dist.all_gather_object(everyone, sorted(local))
     candidates = sorted(set.intersection(*(set(s) for s in everyone)), reverse=True)

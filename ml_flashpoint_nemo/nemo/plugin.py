@@ -6,7 +6,10 @@ It adds run.Config(FlashpointCallback, ...) to the recipe's trainer callbacks (t
 callback wires the trainer in its setup hook) and, unless told not to, replaces the
 recipe's resume with a FlashpointAutoResume that wraps it (the durable fallback). The
 executor's environment gets the job id, so every restart of the run finds its RAM
-versions: NeMo-Run's experiment id, unless the scheduler provides one.
+versions: NeMo-Run's experiment id, unless the scheduler provides one. It also gets a fresh
+replication secret per experiment (FLASHPOINT_REPLICATION_SECRET), so the secret reaches
+the ranks with the job's environment instead of crossing the training network; unless the
+executor already names a secret or a secret file (see docs/security.md).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from ml_flashpoint_nemo.nemo.callback import FlashpointCallback
 from ml_flashpoint_nemo.nemo.job import JOB_ID_ENV
 from ml_flashpoint_nemo.nemo.resume import FlashpointAutoResume
 from ml_flashpoint_nemo.nemo.settings import FlashpointOptions
+from ml_flashpoint_nemo.replication.secret import SECRET_ENV, SECRET_FILE_ENV, new_secret_hex
 
 
 @dataclass(kw_only=True)
@@ -44,7 +48,9 @@ class FlashpointPlugin(FlashpointOptions, run.Plugin):
         resume = getattr(task, "resume", None)
         if self.wrap_resume and getattr(resume, "__fn_or_cls__", None) is not FlashpointAutoResume:
             task.resume = run.Config(FlashpointAutoResume, durable=resume)
-        if self.experiment_id and executor is not None:
-            env = getattr(executor, "env_vars", None)
-            if env is not None:
+        env = getattr(executor, "env_vars", None) if executor is not None else None
+        if env is not None:
+            if self.experiment_id:
                 env.setdefault(JOB_ID_ENV, self.experiment_id)
+            if not env.get(SECRET_ENV) and not env.get(SECRET_FILE_ENV):
+                env[SECRET_ENV] = new_secret_hex()  # one per experiment; setup again keeps it (set above)

@@ -8,8 +8,8 @@ Lifecycle (collective where noted; every rank calls in the same order):
     service.replication_status(step)     # this rank's view: pending / replicated / under-replicated
     service.close()                      # stops the thread and the server; no thread or fd left
 
-`start` agrees on a job-scoped secret (rank 0 draws os.urandom(32) and broadcasts it; it is
-never logged) and exchanges every rank's server address with one all_gather_object. One
+`start` agrees on the job secret (see replication.secret: from the environment or a secret
+file, checked by a keyed hash; else rank 0 draws one and broadcasts it; never logged) and exchanges every rank's server address with one all_gather_object. One
 background thread per rank pushes this rank's objects of each committed version to the
 same-local-rank server of each target node (see placement). A version is "replicated" on a
 rank once every target acknowledged every object; it is replicated for the job once that
@@ -39,11 +39,11 @@ from ml_flashpoint_nemo.core.topology import NodeTopology
 from ml_flashpoint_nemo.core.versions import committed_steps, read_commit
 from ml_flashpoint_nemo.errors import CorruptCheckpointError
 from ml_flashpoint_nemo.replication.placement import DEFAULT_FACTOR, effective_factor, push_targets
+from ml_flashpoint_nemo.replication.secret import agree_on_secret
 
 logger = logging.getLogger(__name__)
 
 HOST_ENV = "FLASHPOINT_REPLICATION_HOST"
-SECRET_BYTES = 32
 DEFAULT_CLOSE_WAIT_S = 10.0  # how long close() waits for a push in progress
 
 PENDING = "pending"
@@ -121,13 +121,13 @@ class PeerEndpoints:
 def peer_endpoints(base_dir: str | os.PathLike[str], config: ReplicationConfig | None = None) -> PeerEndpoints:
     """Collective: agree on a fresh job secret, start this rank's server on base_dir, exchange addresses.
 
-    A rank whose server cannot start is listed as None (peers then treat it as unreachable);
-    the reason is logged on that rank. Exactly one broadcast and one all_gather on every path.
+    The secret comes from replication.secret (the environment or a secret file, else a c10d
+    broadcast); a rank whose server cannot start is listed as None (peers then treat it as
+    unreachable), the reason logged on that rank. The same collectives on every rank and path;
+    a secret problem raises ReplicationSecretError on every rank before any server starts.
     """
     config = config or ReplicationConfig()
-    box: list[Any] = [os.urandom(SECRET_BYTES) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    secret: bytes = box[0]
+    secret = agree_on_secret()
     server, address = None, None
     try:
         Path(base_dir).mkdir(parents=True, exist_ok=True)
@@ -295,14 +295,21 @@ class ReplicationService:
             if self.topology.node_count > 1:
                 self._prune_replicas()  # objects fetched from peers during a recovery still get removed
             return keep
-        committed = committed_steps(self.layout)
-        newest = committed[-1] if committed else None
-        with self._cv:
-            mine = (self._newest_replicated,
-                    {s: dict(st.failed_peers) for s, st in self._status.items() if st.state == UNDER_REPLICATED})
-            server_errors = self.server.errors() if self.server is not None else []
-        for message in server_errors:
-            logger.warning("Rank %d replication server: %s", self.rank, message)
+        newest: int | None = None
+        mine: tuple[int | None, dict[int, dict[int, str]]] = (None, {})
+        try:  # nothing here may raise on this rank alone: the others wait in the gather below
+            committed = committed_steps(self.layout)
+            newest = committed[-1] if committed else None
+            with self._cv:
+                mine = (self._newest_replicated,
+                        {s: dict(st.failed_peers) for s, st in self._status.items() if st.state == UNDER_REPLICATED})
+                server_errors = self.server.errors() if self.server is not None else []
+            for message in server_errors:
+                logger.warning("Rank %d replication server: %s", self.rank, message)
+        except Exception as exc:  # noqa: BLE001 - counted as not replicated: the previous version is kept
+            logger.warning("Rank %d: cannot tell whether the newest RAM checkpoint is replicated (%s: %s); the "
+                           "previous version is kept", self.rank, type(exc).__name__, exc)
+            newest = -1 if newest is None else newest
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         replicated = [g[0] for g in gathered]

@@ -145,7 +145,13 @@ def recipe_with_plugin(base: str):
     plugin.assign("exp-123")
     executor = run.LocalExecutor()
     plugin.setup(recipe, executor)
-    plugin.setup(recipe, executor)  # twice: still one callback, resume wrapped once
+    secret = executor.env_vars.get("FLASHPOINT_REPLICATION_SECRET")
+    plugin.setup(recipe, executor)  # twice: still one callback, resume wrapped once, the same secret
+    assert secret is not None and len(bytes.fromhex(secret)) == 32, secret
+    assert executor.env_vars["FLASHPOINT_REPLICATION_SECRET"] == secret
+    with_file = run.LocalExecutor(env_vars={"FLASHPOINT_REPLICATION_SECRET_FILE": "/run/secret"})
+    plugin.setup(recipe, with_file)  # a secret file named by the user wins: no variable added
+    assert "FLASHPOINT_REPLICATION_SECRET" not in with_file.env_vars, with_file.env_vars
     configs = [c for c in recipe.trainer.callbacks if getattr(c, "__fn_or_cls__", None) is FlashpointCallback]
     resume = fdl.build(recipe.resume)
     print("PLUGIN_CONFIG callbacks", len(configs), "resume", type(resume).__name__,

@@ -1,0 +1,83 @@
+"""Scenarios in which one rank fails locally between two collectives (run by tests/test_one_rank_failures.py).
+
+Every rank must either proceed or raise the same error; a rank left waiting in a collective
+shows as a timeout of the whole world in the test.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from ml_flashpoint_nemo.core.topology import discover_nodes
+from ml_flashpoint_nemo.replication import service as service_module
+from ml_flashpoint_nemo.replication.service import ReplicationConfig, ReplicationService
+from tests.support import transfer_peer as peer
+from tests.support.multiproc import scenario_main
+
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, force=True, format="%(levelname)s %(name)s: %(message)s")
+
+
+def _node_base(p: dict[str, Any]) -> Path:
+    return Path(p["root"]) / f"node-{dist.get_rank()}"
+
+
+def keep_after_a_local_failure(p: dict[str, Any]) -> None:
+    """Rank 0's server holds an error naming byte 0xff, or rank 1 cannot list its versions."""
+    base = _node_base(p)
+    base.mkdir(parents=True, exist_ok=True)
+    service = ReplicationService.start(base, discover_nodes(base), ReplicationConfig(io_timeout_s=2.0))
+    try:
+        if dist.get_rank() == 0 and p["failure"] == "peer_name":
+            host, port = service.addresses[0]
+            with peer.connect(host, port, timeout=5) as sock:
+                peer.client_handshake(sock, service._endpoints.secret)
+                sock.sendall(peer.request(peer.OP_FETCH, b"step-1/\xff\nforged", 0))
+                assert peer.recv_response(sock)[0] == peer.NOT_FOUND
+        if dist.get_rank() == 1 and p["failure"] == "listing":
+            def broken(layout: Any) -> list[int]:
+                raise PermissionError(13, "Permission denied", os.fspath(layout.base_dir))
+            service_module.committed_steps = broken
+        dist.barrier()
+        print(f"KEEP {service.keep_for_next_save(1)}", flush=True)
+    finally:
+        service.close()
+
+
+def agree_on_secret(p: dict[str, Any]) -> None:
+    """Each rank's environment from p["env"][rank]; prints the outcome and a digest of the secret agreed."""
+    from ml_flashpoint_nemo.replication.secret import agree_on_secret as agree
+    from ml_flashpoint_nemo.replication.secret import secret_check
+
+    os.environ.update(p["env"][dist.get_rank()])
+    try:
+        secret = agree()
+    except Exception as exc:  # noqa: BLE001 - printed for the test
+        print(f"RAISED {type(exc).__name__}: {exc}", flush=True)
+    else:
+        print(f"AGREED {secret_check(secret).hex()} {len(secret)}", flush=True)
+    dist.barrier()  # every rank is still in the job: nobody was left in a collective
+
+
+def choose_after_a_listing_failure(p: dict[str, Any]) -> None:
+    """Rank 1 cannot list its versions: every rank agrees that no RAM version is usable."""
+    from ml_flashpoint_nemo.core import recovery
+
+    base = _node_base(p)
+    base.mkdir(parents=True, exist_ok=True)
+    if dist.get_rank() == 1:
+        def broken(layout: Any) -> list[int]:
+            raise PermissionError(13, "Permission denied", os.fspath(layout.base_dir))
+        recovery.committed_steps = broken
+    os.environ["FLASHPOINT_REPLICATION_SECRET"] = "ab" * 32
+    print(f"CHOSEN {recovery.choose_version(base).step}", flush=True)
+
+
+if __name__ == "__main__":
+    scenario_main({f.__name__: f for f in (keep_after_a_local_failure, agree_on_secret,
+                                           choose_after_a_listing_failure)})

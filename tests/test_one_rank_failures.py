@@ -1,0 +1,31 @@
+"""Between two collectives no rank fails alone (issue 13, section 3): real 2-process gloo jobs.
+
+A local failure injected on one rank must reach every rank (or be absorbed on every rank
+alike) within the deadline; a rank left waiting in a collective fails the test by timeout.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.multiproc import run_world
+
+DEADLINE_S = 60
+
+
+@pytest.mark.parametrize("failure", ["peer_name", "listing"])
+def test_keep_for_next_save_proceeds_on_every_rank_after_a_local_failure(shm_dir, failure):
+    outputs = run_world("collective_scenarios", "keep_after_a_local_failure", 2,
+                        {"root": str(shm_dir), "failure": failure}, timeout=DEADLINE_S)
+    # Nothing is committed, so nothing waits for replication: keep stays 1, except on the rank that could not tell.
+    expected = ["KEEP 1", "KEEP 2" if failure == "listing" else "KEEP 1"]
+    assert [e in out for e, out in zip(expected, outputs)] == [True, True], outputs
+    if failure == "peer_name":
+        assert "\\xff\\x0aforged" in outputs[0] and "\nforged" not in outputs[0], outputs[0]
+
+
+def test_choose_version_agrees_on_no_version_when_one_rank_cannot_list_its_versions(shm_dir):
+    outputs = run_world("collective_scenarios", "choose_after_a_listing_failure", 2, {"root": str(shm_dir)},
+                        timeout=DEADLINE_S)
+    assert all("CHOSEN None" in out for out in outputs), outputs
+    assert "cannot list its RAM checkpoint versions" in outputs[1], outputs[1]
