@@ -277,7 +277,8 @@ def test_a_newer_format_is_reported_as_unsupported_not_corrupt(newer_format_base
     assert result.returncode == 5, result.stderr
     versions = {v["step"]: v for v in json.loads(result.stdout)["versions"]}
     assert versions[1]["ok"]
-    assert [(p["rank"], p["kind"], p["type"]) for p in versions[2]["problems"]] == [(None, "format", "FormatVersionError")]
+    commit_problems = versions[2]["problems"]
+    assert [(p["rank"], p["kind"], p["type"]) for p in commit_problems] == [(None, "format", "FormatVersionError")]
     assert [(p["rank"], p["kind"]) for p in versions[3]["problems"]] == [(0, "format")]
     assert "format v2" in versions[3]["problems"][0]["error"]
     text = flashpoint("verify", newer_format_base, 2)
