@@ -11,7 +11,7 @@ own base directory and replication factor 2; every DURABLE_EVERY steps a durable
 disk with torch.save. Before a step's state is saved its SHA-256 is appended to this rank's
 ledger, so the driver can check any later load against what was saved.
 
-A run starts by recovering (recovery.choose_version on the RAM versions, else the newest durable
+A run starts by recovering (replication.choice.choose_version on the RAM versions, else the newest durable
 copy, else step 0), writes what it loaded and its digest to result-rank<r>-inc<i>.json, trains to
 --steps and writes the final digest. Faults (incarnation 0 only) are injected by wrapping the
 product's own functions in this process: a SIGKILL before or after staging, the background
@@ -47,7 +47,7 @@ from megatron.core import dist_checkpointing  # noqa: E402
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor  # noqa: E402
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue  # noqa: E402
 
-from ml_flashpoint_nemo.core.recovery import choose_version  # noqa: E402
+from ml_flashpoint_nemo.replication.choice import choose_version  # noqa: E402
 from ml_flashpoint_nemo.core.space import check_room_on_every_rank  # noqa: E402
 from ml_flashpoint_nemo.errors import FlashpointError  # noqa: E402
 from ml_flashpoint_nemo.megatron import FlashpointLoadStrategy, FlashpointSaveStrategy  # noqa: E402

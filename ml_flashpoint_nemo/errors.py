@@ -52,8 +52,13 @@ class ChecksumError(CorruptCheckpointError):
         self.key = key
 
 
-class FormatVersionError(CorruptCheckpointError):
-    """A file was written in a format version this release cannot read."""
+class FormatVersionError(FlashpointError):
+    """A file was written in a format version this release cannot read (e.g. by a newer release).
+
+    The file may be perfectly valid, so this is not a CorruptCheckpointError: code that drops
+    or reports corrupt files must leave it alone. Code that only skips unusable versions
+    catches both.
+    """
 
 
 class MissingKeyError(FlashpointError, KeyError):

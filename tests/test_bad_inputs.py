@@ -249,6 +249,28 @@ def test_unknown_commit_format_version(two_versions):
         load_version(two_versions, 2)
 
 
+def test_a_newer_format_is_not_reported_as_corrupt_and_an_older_version_is_loaded(two_versions, caplog):
+    """A newer release's valid checkpoint is not "corrupt"; load_newest_valid skips it and keeps its files."""
+    assert not issubclass(FormatVersionError, CorruptCheckpointError)
+    path = object_file(two_versions, 2)
+    with open(path, "r+b") as handle:
+        header = bytearray(handle.read(HEADER_NBYTES))
+        struct.pack_into("<I", header, 8, 2)
+        struct.pack_into("<I", header, 60, _core.crc32c(bytes(header[:60])))
+        handle.seek(0)
+        handle.write(header)
+    newer = path.read_bytes()
+    with pytest.raises(FormatVersionError) as raised:
+        load_version(two_versions, 2)
+    assert not isinstance(raised.value, CorruptCheckpointError) and "release that wrote it" in str(raised.value)
+    with caplog.at_level(logging.WARNING):
+        step, state = load_newest_valid(two_versions)
+    assert step == 1
+    assert_state_equal(state, make_state(1, small_tensors=10))
+    assert "Skipping RAM checkpoint step 2" in caplog.text and "format v2" in caplog.text
+    assert committed_steps(CheckpointLayout(two_versions)) == [1, 2] and path.read_bytes() == newer
+
+
 def test_uncommitted_version_does_not_exist(two_versions):
     (two_versions / "step-2" / "COMMIT").unlink()
     with pytest.raises(VersionNotFoundError, match="no committed version of step 2"):
@@ -293,3 +315,17 @@ def test_wrong_rank_and_empty_base(two_versions):
         load_version(empty)
     with pytest.raises(VersionNotFoundError, match="none committed"):
         load_newest_valid(empty)
+
+
+def test_every_error_type_is_exported_at_the_top_level():
+    """A user catches any of them as ml_flashpoint_nemo.<Name>, ManagerStartError included."""
+    import inspect
+
+    import ml_flashpoint_nemo
+    from ml_flashpoint_nemo import errors
+
+    defined = {name for name, value in vars(errors).items()
+               if inspect.isclass(value) and issubclass(value, errors.FlashpointError)}
+    assert "ManagerStartError" in defined
+    missing = sorted(n for n in defined if n not in ml_flashpoint_nemo.__all__ or not hasattr(ml_flashpoint_nemo, n))
+    assert not missing, f"not exported by ml_flashpoint_nemo: {missing}"

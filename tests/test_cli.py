@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import uuid
@@ -23,7 +24,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
+from ml_flashpoint_nemo import _core
 from ml_flashpoint_nemo.core import CheckpointSaver
+from ml_flashpoint_nemo.core.format import HEADER_NBYTES
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.loader import open_object
 from ml_flashpoint_nemo.core.versions import read_commit, write_commit
@@ -245,6 +248,51 @@ def test_export_of_a_corrupt_version_fails_and_leaves_no_dest(damaged_base, tmp_
     unreadable = flashpoint("export", damaged_base, 4, dest)  # its commit record fails its checksum
     assert unreadable.returncode == 1 and "COMMIT" in unreadable.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def newer_format_base() -> Iterator[Path]:
+    """Core versions: 1 intact, 2 with a commit record of format v7, 3 with an object header of format v2."""
+    base = fresh_base()
+    with CheckpointSaver(base) as saver:
+        for step in range(1, 4):
+            saver.save(step, core_state(step), keep=None)
+    commit = base / "step-2" / "COMMIT"
+    body = commit.read_bytes().rpartition(b"\ncrc32c=")[0].replace(b'"format_version":1', b'"format_version":7')
+    commit.write_bytes(body + f"\ncrc32c={_core.crc32c(body):08x}\n".encode())
+    obj = next((base / "step-3").glob("*.fpo"))
+    with open(obj, "r+b") as handle:
+        header = bytearray(handle.read(HEADER_NBYTES))
+        struct.pack_into("<I", header, 8, 2)
+        struct.pack_into("<I", header, 60, _core.crc32c(bytes(header[:60])))
+        handle.seek(0)
+        handle.write(header)
+    yield base
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_newer_format_is_reported_as_unsupported_not_corrupt(newer_format_base, tmp_path):
+    before = {p: p.read_bytes() for p in newer_format_base.rglob("*") if p.is_file()}
+    result = flashpoint("verify", newer_format_base, "--json", "--threads", "1")
+    assert result.returncode == 5, result.stderr
+    versions = {v["step"]: v for v in json.loads(result.stdout)["versions"]}
+    assert versions[1]["ok"]
+    commit_problems = versions[2]["problems"]
+    assert [(p["rank"], p["kind"], p["type"]) for p in commit_problems] == [(None, "format", "FormatVersionError")]
+    assert [(p["rank"], p["kind"]) for p in versions[3]["problems"]] == [(0, "format")]
+    assert "format v2" in versions[3]["problems"][0]["error"]
+    text = flashpoint("verify", newer_format_base, 2)
+    assert text.returncode == 5 and "UNSUPPORTED FORMAT (not corrupt)" in text.stdout and "CORRUPT" not in text.stdout
+    assert "format v7" in text.stdout and "release that wrote it" in text.stdout
+    dest = tmp_path / "export"
+    exported = flashpoint("export", newer_format_base, 3, dest)
+    assert exported.returncode == 5 and "unsupported checkpoint format (not corrupt)" in exported.stderr
+    assert "corrupt checkpoint" not in exported.stderr and list(tmp_path.iterdir()) == []
+    listed = json.loads(flashpoint("ls", newer_format_base, "--json").stdout)
+    two = next(v for v in listed["versions"] if v["step"] == 2)
+    assert two["state"] == "unreadable" and "format v7" in two["error"]
+    assert {p: p.read_bytes() for p in newer_format_base.rglob("*") if p.is_file()} == before  # nothing touched
+    assert "5  unsupported format" in flashpoint("--help").stdout
 
 
 # --- export round trips ------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ Each run is real 2-rank training (gloo) with flashpoint saves and replication, o
 (SIGKILL at a point of stage / write / commit / node copy / replicate, of the receiving peer or at
 a random time; a flipped bit in an object, a commit record or a version file; a wiped node; a full
 tmpfs; a Manager that cannot start) and a recovery run checked against the SHA-256 of the state
-saved at the resumed step and against an uninterrupted reference. The README shows a 100-run
+saved at the resumed step and against an uninterrupted reference. docs/reliability.md shows a 100-run
 campaign; here each kind runs once to keep CI short.
 """
 

@@ -15,7 +15,7 @@ import sys
 import warnings
 from typing import Sequence
 
-from ml_flashpoint_nemo.cli.common import EXIT_CODES_HELP, EXIT_CORRUPT, EXIT_FAILED, EXIT_USAGE, CliError
+from ml_flashpoint_nemo.cli.common import EXIT_CODES_HELP, EXIT_CORRUPT, EXIT_FAILED, EXIT_FORMAT, EXIT_USAGE, CliError
 
 __all__ = ["build_parser", "main"]
 
@@ -89,7 +89,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message="The pynvml package is deprecated")
     parser = build_parser()
     args = parser.parse_args(argv)  # exits 2 on usage errors, like every other usage error here
-    from ml_flashpoint_nemo.errors import CorruptCheckpointError, FlashpointError, VersionNotFoundError
+    from ml_flashpoint_nemo.errors import (CorruptCheckpointError, FlashpointError, FormatVersionError,
+                                           VersionNotFoundError)
 
     if args.command == "ls":
         from ml_flashpoint_nemo.cli.ls import run
@@ -107,6 +108,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CorruptCheckpointError as exc:
         _error(f"corrupt checkpoint: {exc}")
         return EXIT_CORRUPT
+    except FormatVersionError as exc:
+        _error(f"unsupported checkpoint format (not corrupt): {exc}")
+        return EXIT_FORMAT
     except VersionNotFoundError as exc:
         _error(str(exc))
         return EXIT_USAGE

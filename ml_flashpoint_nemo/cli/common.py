@@ -24,6 +24,7 @@ EXIT_CORRUPT = 1  # corruption found (verify, export)
 EXIT_USAGE = 2  # bad arguments, missing/foreign base dir, no such step, nothing to verify
 EXIT_BUSY = 3  # a live process holds a rank's pool lock (clean without --force)
 EXIT_FAILED = 4  # any other failure (I/O error, out of space, ...)
+EXIT_FORMAT = 5  # written in a checkpoint format this release cannot read (not corrupt: use the release that wrote it)
 
 EXIT_CODES_HELP = """exit codes:
   0  success (verify: every byte intact)
@@ -31,7 +32,9 @@ EXIT_CODES_HELP = """exit codes:
   2  usage error: bad arguments, BASE missing or not a flashpoint base directory,
      no such (committed) step, nothing to verify, export DEST not empty
   3  refused: a live process holds a rank's pool lock (clean; --force overrides)
-  4  any other failure (I/O error, out of space, ...)"""
+  4  any other failure (I/O error, out of space, ...)
+  5  unsupported format (verify, export): a file was written in a checkpoint format this
+     release cannot read, e.g. by a newer release; it is not corrupt, read it with that release"""
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _POOL_RANK_DIR = re.compile(r"^rank-(\d+)$")

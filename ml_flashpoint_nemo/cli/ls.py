@@ -11,7 +11,7 @@ from typing import Any
 from ml_flashpoint_nemo.core.format import CommitRecord
 from ml_flashpoint_nemo.core.layout import COMMIT_NAME, CheckpointLayout, filesystem_type, rank_of_object
 from ml_flashpoint_nemo.core.versions import read_commit
-from ml_flashpoint_nemo.errors import CorruptCheckpointError, VersionNotFoundError
+from ml_flashpoint_nemo.errors import CorruptCheckpointError, FormatVersionError, VersionNotFoundError
 from ml_flashpoint_nemo.cli.common import (
     EXIT_OK,
     compact_ranks,
@@ -159,7 +159,7 @@ def scan_versions(layout: CheckpointLayout) -> list[VersionEntry]:
             try:
                 entry.record = read_commit(layout, step)
                 entry.state = "committed"
-            except (CorruptCheckpointError, VersionNotFoundError, OSError) as exc:
+            except (CorruptCheckpointError, FormatVersionError, VersionNotFoundError, OSError) as exc:
                 entry.state = "unreadable"
                 entry.error = str(exc)
         entries.append(entry)

@@ -7,10 +7,10 @@ from typing import Any
 
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.versions import committed_steps, read_commit
-from ml_flashpoint_nemo.errors import CorruptCheckpointError, FlashpointError
 from ml_flashpoint_nemo.cli.common import (
     EXIT_CORRUPT,
     EXIT_FAILED,
+    EXIT_FORMAT,
     EXIT_OK,
     CliError,
     human_bytes,
@@ -18,11 +18,16 @@ from ml_flashpoint_nemo.cli.common import (
     parse_step,
     print_json,
 )
+from ml_flashpoint_nemo.errors import CorruptCheckpointError, FlashpointError, FormatVersionError
 
 
 def _problem(exc: BaseException, rank: int | None) -> dict[str, Any]:
+    """One problem as verify reports it; kind says what it means: corrupt, unsupported format, or a failure."""
+    kind = "corrupt" if isinstance(exc, CorruptCheckpointError) else \
+        "format" if isinstance(exc, FormatVersionError) else "failure"
     return {
         "rank": rank,
+        "kind": kind,
         "type": type(exc).__name__,
         "path": getattr(exc, "path", None),
         "key": getattr(exc, "key", None),
@@ -31,7 +36,7 @@ def _problem(exc: BaseException, rank: int | None) -> dict[str, Any]:
 
 
 def verify_step(layout: CheckpointLayout, step: int, threads: int | None) -> dict[str, Any]:
-    """Verify one committed version: the commit record and version files, then each rank's objects.
+    """Verify one committed version: its commit record, version files, then every rank's objects.
 
     Ranks are verified one by one, so every corrupt rank is reported, not only the first.
     """
@@ -43,26 +48,28 @@ def verify_step(layout: CheckpointLayout, step: int, threads: int | None) -> dic
     try:
         commit = read_commit(layout, step)
         result["files"] = verify_version(layout.base_dir, step, ranks=[], threads=threads).files
-    except CorruptCheckpointError as exc:  # commit record or a version-level file
+    except (FlashpointError, OSError) as exc:  # commit record or a version-level file
         problems.append(_problem(exc, None))
-        return result
-    except (FlashpointError, OSError) as exc:
-        problems.append(_problem(exc, None) | {"failure": True})
         return result
     for rank in sorted({o.rank for o in commit.objects}):
         try:
             report = verify_version(layout.base_dir, step, ranks=[rank], threads=threads)
-        except CorruptCheckpointError as exc:
-            problems.append(_problem(exc, rank))
-            continue
         except (FlashpointError, OSError) as exc:
-            problems.append(_problem(exc, rank) | {"failure": True})
+            problems.append(_problem(exc, rank))
             continue
         result["objects"] += report.objects
         result["records"] += report.records
         result["nbytes"] += report.nbytes
     result["ok"] = not problems
     return result
+
+
+_VERDICTS = {"corrupt": "CORRUPT", "failure": "FAILED", "format": "UNSUPPORTED FORMAT (not corrupt)"}
+
+
+def _verdict(problems: list[dict[str, Any]]) -> str:
+    """The worst kind among problems: corruption first, then a failure, then an unsupported format."""
+    return next(kind for kind in _VERDICTS if any(p["kind"] == kind for p in problems))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,9 +92,9 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--threads must be >= 1")
     skipped = [s for s in all_steps if s not in committed] if args.step is None else []
     results = [verify_step(layout, s, args.threads) for s in steps]
-    corrupt = any(p for r in results for p in r["problems"] if not p.get("failure"))
-    failed = any(p.get("failure") for r in results for p in r["problems"])
-    code = EXIT_CORRUPT if corrupt else EXIT_FAILED if failed else EXIT_OK
+    every_problem = [p for r in results for p in r["problems"]]
+    code = {"corrupt": EXIT_CORRUPT, "failure": EXIT_FAILED, "format": EXIT_FORMAT}[_verdict(every_problem)] \
+        if every_problem else EXIT_OK
     if args.json:
         print_json({"base": str(layout.base_dir), "ok": code == EXIT_OK, "exit_code": code, "versions": results,
                     "skipped_uncommitted": skipped})
@@ -97,8 +104,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"step {r['step']}: OK ({r['objects']} objects, {r['records']} records, "
                   f"{human_bytes(r['nbytes'])}, {r['files']} version files)")
             continue
-        print(f"step {r['step']}: CORRUPT" if any(not p.get("failure") for p in r["problems"])
-              else f"step {r['step']}: FAILED")
+        print(f"step {r['step']}: {_VERDICTS[_verdict(r['problems'])]}")
         for p in r["problems"]:
             where = f"rank {p['rank']}" if p["rank"] is not None else "version"
             detail = f" [key {p['key']!r}]" if p.get("key") else ""

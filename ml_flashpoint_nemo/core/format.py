@@ -270,10 +270,10 @@ class ObjectHeader:
          reserved) = _HEADER.unpack(body)
         if magic != OBJECT_MAGIC:
             raise CorruptCheckpointError(f"{path} is not a flashpoint object (bad magic {magic!r})")
-        _check_format_version(version, path)
         (stored_crc,) = _HEADER_CRC.unpack(crc_bytes)
-        if _core.crc32c(body) != stored_crc:
+        if _core.crc32c(body) != stored_crc:  # before the version: a flipped version field is damage
             raise CorruptCheckpointError(f"header of {path} fails its checksum; the object is corrupt")
+        _check_format_version(version, path)
         problem = _header_problem(header_nbytes, object_nbytes, index_offset, index_nbytes, flags, reserved)
         if problem:
             raise CorruptCheckpointError(f"header of {path} describes an impossible object: {problem}. " + CORRUPT_ADVICE)

@@ -1,9 +1,10 @@
-"""Where things live under a base directory (format v1 layout).
+"""Where things live under a base directory (format v1 layout, specified in docs/format.md).
 
-    <base>/pool/rank-<R>/buf-<id>        free buffers of rank R, reused across saves
-    <base>/pool/replica-spares/<name>    files of retired replicas, overwritten by the next received one
-    <base>/step-<N>/rank-<R>-<i>.fpo      objects written by rank R for version N
-    <base>/step-<N>/COMMIT               commit record; without it version N does not exist
+    <base>/pool/rank-<R:05d>/.lock             flock of the live process that saves as rank R
+    <base>/pool/rank-<R:05d>/buf-<hex>         free buffers of rank R, reused across saves
+    <base>/pool/replica-spares/spare-<hex>     files of retired replicas, overwritten by the next received one
+    <base>/step-<N>/rank-<R:05d>-<i>.fpo       object i written by rank R for version N
+    <base>/step-<N>/COMMIT                     commit record; without it version N does not exist
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ from ml_flashpoint_nemo.core.versions import committed_steps, read_commit
 from ml_flashpoint_nemo.errors import (
     ChecksumError,
     CorruptCheckpointError,
+    FormatVersionError,
     LoadMismatchError,
     MissingKeyError,
     VersionNotFoundError,
@@ -255,7 +256,7 @@ def load_newest_valid(
     for step in reversed(committed_steps(layout)):
         try:
             return step, load_version(base_dir, step, rank=rank, into=into, threads=threads)
-        except (CorruptCheckpointError, VersionNotFoundError) as exc:
+        except (CorruptCheckpointError, FormatVersionError, VersionNotFoundError) as exc:
             logger.warning("Skipping RAM checkpoint step %d: %s", step, exc)
             failures.append(f"step {step}: {exc}")
     raise VersionNotFoundError(

@@ -4,7 +4,7 @@ Starting a spawn-context ``torch.multiprocessing`` Manager launches a fresh Pyth
 process, which takes seconds; trainer setup must not wait for it. So
 :func:`start_manager_warmup` starts it in a daemon thread and returns a
 :class:`ManagerFuture` at once. Three properties make that future safe to hand to a
-writer (DESIGN.md section 3):
+writer (docs/design.md, "Saving"):
 
 * It never leaves a save hanging. Any failure in the thread goes into the future, and
   every wait is bounded (``FLASHPOINT_MANAGER_TIMEOUT_S``, default 120 s, counted from

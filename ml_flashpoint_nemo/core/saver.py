@@ -30,7 +30,7 @@ from ml_flashpoint_nemo.core.pool import BufferPool, raise_if_out_of_space
 from ml_flashpoint_nemo.core.tuning import default_copy_threads
 from ml_flashpoint_nemo.core.values import PreparedValue, prepare_state
 from ml_flashpoint_nemo.core.versions import delete_superseded, retire_version, write_commit
-from ml_flashpoint_nemo.errors import CorruptCheckpointError, VersionExistsError
+from ml_flashpoint_nemo.errors import CorruptCheckpointError, FormatVersionError, VersionExistsError
 
 logger = logging.getLogger(__name__)
 
@@ -337,7 +337,7 @@ def read_sealed_checksum(job: SealJob) -> int:
         header_bytes = os.pread(fd, HEADER_NBYTES, 0)
         try:
             header = ObjectHeader.decode(header_bytes, job.path)
-        except CorruptCheckpointError as exc:
+        except (CorruptCheckpointError, FormatVersionError) as exc:  # our own header: any other version is damage
             raise CorruptCheckpointError(
                 f"the object staged in {job.path} was never sealed: its background write failed or was killed "
                 "(see that worker's log). The save was abandoned; earlier versions are intact."

@@ -17,7 +17,7 @@ from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.topology import problems_of_every_rank
 from ml_flashpoint_nemo.core.version_files import FILES_KEY
 from ml_flashpoint_nemo.core.versions import committed_steps, read_commit
-from ml_flashpoint_nemo.errors import CorruptCheckpointError, OutOfSpaceError
+from ml_flashpoint_nemo.errors import CorruptCheckpointError, FormatVersionError, OutOfSpaceError
 
 MIN_FREE_BYTES = 4 << 20  # room for a first save's common state and metadata, whose size is not known yet
 
@@ -36,7 +36,7 @@ def bytes_needed(layout: CheckpointLayout) -> int:
     try:
         record = read_commit(layout, steps[-1])
         small = layout.commit_path(steps[-1]).stat().st_size
-    except (OSError, CorruptCheckpointError):
+    except (OSError, CorruptCheckpointError, FormatVersionError):
         return MIN_FREE_BYTES
     small += sum(int(entry["nbytes"]) for entry in record.metadata.get(FILES_KEY, {}).values())
     return max(MIN_FREE_BYTES, 2 * small)

@@ -20,7 +20,7 @@ from typing import Any, Iterable, Sequence
 from ml_flashpoint_nemo.core.format import CommitRecord, ObjectRecord
 from ml_flashpoint_nemo.core.layout import COMMIT_NAME, CheckpointLayout, rank_of_object
 from ml_flashpoint_nemo.core.pool import BufferPool, raise_if_out_of_space
-from ml_flashpoint_nemo.errors import CorruptCheckpointError, VersionNotFoundError
+from ml_flashpoint_nemo.errors import CorruptCheckpointError, FormatVersionError, VersionNotFoundError
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ def list_versions(base_dir: str | os.PathLike[str]) -> list[VersionInfo]:
     for step in committed_steps(layout):
         try:
             infos.append(VersionInfo(step, layout.version_dir(step), read_commit(layout, step)))
-        except (CorruptCheckpointError, VersionNotFoundError) as exc:
+        except (CorruptCheckpointError, FormatVersionError, VersionNotFoundError) as exc:
             infos.append(VersionInfo(step, layout.version_dir(step), None, str(exc)))
     return infos
 

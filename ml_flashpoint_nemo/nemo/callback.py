@@ -39,9 +39,9 @@ class FlashpointCallback(Callback):
     # --- wiring ------------------------------------------------------------------------------
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        from ml_flashpoint_nemo.nemo.wrap import wrap_trainer_with_flashpoint
+        from ml_flashpoint_nemo.nemo.wiring import wire_trainer  # imports NeMo's checkpoint IO stack
 
-        wrap_trainer_with_flashpoint(trainer, base_dir=self.base_dir, _callback=self, **self.options)
+        wire_trainer(trainer, self, base_dir=self.base_dir, options=self.options, warn_if_wired=False)
         if stage == "fit" and self.io is not None:
             self.io.start_worker()  # in each rank's process, from its main thread, before the model is built
 

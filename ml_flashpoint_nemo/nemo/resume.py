@@ -19,8 +19,8 @@ from typing import Any, Callable
 from lightning.pytorch.trainer.states import TrainerFn
 from nemo.lightning.resume import AutoResume
 
-from ml_flashpoint_nemo.core.recovery import choose_version
-from ml_flashpoint_nemo.nemo.settings import FlashpointSettings
+from ml_flashpoint_nemo.nemo.settings import FlashpointSettings, flashpoint_settings_of
+from ml_flashpoint_nemo.replication.choice import choose_version
 
 logger = logging.getLogger(__name__)
 
@@ -119,8 +119,6 @@ class FlashpointAutoResume(AutoResume):
             logger.warning("NeMo's AutoResume found no usable durable checkpoint (%s); resuming from RAM if a "
                            "version is complete on every rank", exc)
             trainer._flashpoint_durable_error = exc
-        from ml_flashpoint_nemo.nemo.wrap import flashpoint_settings_of
-
         settings = flashpoint_settings_of(trainer)
         if settings is not None:
             install_resume_choice(trainer, settings, enabled=self.flashpoint)

@@ -1,13 +1,19 @@
-"""What a user can set for flashpoint checkpoints of a NeMo trainer, checked once, up front."""
+"""What a user can set for flashpoint checkpoints of a NeMo trainer, checked once, up front, and what a wired
+trainer carries (its settings, callback and checkpoint IO)."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from ml_flashpoint_nemo.errors import TrainerSetupError
 from ml_flashpoint_nemo.nemo.job import default_base_dir
+
+if TYPE_CHECKING:
+    from ml_flashpoint_nemo.nemo.callback import FlashpointCallback
+    from ml_flashpoint_nemo.nemo.checkpoint_io import FlashpointCheckpointIO
 
 DEFAULT_EVERY_N_STEPS = 50
 
@@ -65,3 +71,23 @@ def checked_options(options: dict[str, object]) -> dict[str, object]:
         raise TrainerSetupError(f"unknown flashpoint option(s) {sorted(unknown)}; known: {sorted(known)}")
     FlashpointOptions(**options).check()  # type: ignore[arg-type]
     return options
+
+
+@dataclass(frozen=True)
+class FlashpointWiring:
+    """What wiring attached to a trainer, kept as trainer._flashpoint."""
+
+    settings: FlashpointSettings
+    callback: FlashpointCallback
+    io: FlashpointCheckpointIO
+
+
+def wiring_of(trainer: Any) -> FlashpointWiring | None:
+    """The trainer's flashpoint wiring, None if it is not wired."""
+    return getattr(trainer, "_flashpoint", None)
+
+
+def flashpoint_settings_of(trainer: Any) -> FlashpointSettings | None:
+    """The settings of a wired trainer, None if it is not wired."""
+    wiring = wiring_of(trainer)
+    return wiring.settings if wiring is not None else None

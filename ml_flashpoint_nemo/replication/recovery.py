@@ -1,4 +1,4 @@
-"""Recovery step before core.recovery.choose_version: fetch what this node lacks from peer nodes.
+"""Recovery step before replication.choice.choose_version: fetch what this node lacks from peer nodes.
 
 Collective; every rank takes the same path through the same collectives:
 

@@ -37,7 +37,7 @@ from ml_flashpoint_nemo.core.format import ObjectRecord, whole_object_crc32c
 from ml_flashpoint_nemo.core.layout import REPLICA_SPARES, CheckpointLayout, rank_of_object
 from ml_flashpoint_nemo.core.topology import NodeTopology
 from ml_flashpoint_nemo.core.versions import committed_steps, read_commit
-from ml_flashpoint_nemo.errors import CorruptCheckpointError
+from ml_flashpoint_nemo.errors import CorruptCheckpointError, FormatVersionError
 from ml_flashpoint_nemo.replication.placement import DEFAULT_FACTOR, effective_factor, push_targets
 from ml_flashpoint_nemo.replication.secret import agree_on_secret
 
@@ -429,7 +429,7 @@ def _known_object_crc(fd: int, path: str, record: ObjectRecord) -> int | None:
     """The object's whole CRC32C from its header and index; None: let the sender compute it while sending."""
     try:
         return whole_object_crc32c(fd, path, record)
-    except (CorruptCheckpointError, OSError) as exc:
+    except (CorruptCheckpointError, FormatVersionError, OSError) as exc:
         # A damaged object is refused by every reader anyway; replicate it as before, checksummed on the way.
         logger.debug("Replicating %s with a checksum computed while sending: its header or index cannot "
                      "vouch for its bytes (%s)", path, exc)

@@ -27,7 +27,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (  # noqa
 from ml_flashpoint_nemo.core import committed_steps  # noqa: E402
 from ml_flashpoint_nemo.core.layout import CheckpointLayout  # noqa: E402
 from ml_flashpoint_nemo.core.manager import start_manager_warmup  # noqa: E402
-from ml_flashpoint_nemo.core.recovery import choose_version  # noqa: E402
+from ml_flashpoint_nemo.replication.choice import choose_version  # noqa: E402
 from ml_flashpoint_nemo.core.version_files import MEGATRON_CONFIG_BYTES, MEGATRON_CONFIG_NAME  # noqa: E402
 from ml_flashpoint_nemo.megatron import FlashpointLoadStrategy, FlashpointSaveStrategy  # noqa: E402
 from tests.support import manager_hooks  # noqa: E402

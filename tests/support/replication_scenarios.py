@@ -22,7 +22,7 @@ import psutil  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from ml_flashpoint_nemo.core.layout import CheckpointLayout  # noqa: E402
-from ml_flashpoint_nemo.core.recovery import choose_version  # noqa: E402
+from ml_flashpoint_nemo.replication.choice import choose_version  # noqa: E402
 from ml_flashpoint_nemo.core.versions import committed_steps  # noqa: E402
 from ml_flashpoint_nemo.megatron import FlashpointSaveStrategy  # noqa: E402
 from ml_flashpoint_nemo.replication import ReplicationConfig  # noqa: E402

@@ -1,4 +1,6 @@
-"""Recovery: every rank agrees on the newest RAM version that is complete and intact across the job.
+"""The version a job resumes from: the newest RAM version complete and intact on every rank.
+
+It sits above core because completing a version may take a peer's replica (replication.recovery).
 
 Ranks must never resume from different versions, and never from a version with a
 missing or flipped byte. Each rank lists the versions committed on its node; the
@@ -24,6 +26,7 @@ from ml_flashpoint_nemo.core.loader import verify_object_file, verify_version
 from ml_flashpoint_nemo.core.topology import discover_nodes, problems_of_every_rank
 from ml_flashpoint_nemo.core.versions import committed_steps, read_commit
 from ml_flashpoint_nemo.errors import CorruptCheckpointError, FlashpointError
+from ml_flashpoint_nemo.replication.recovery import fetch_missing_from_peers
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +89,6 @@ def _drop_corrupt_objects_on_every_rank(layout: CheckpointLayout, step: int, ran
 def choose_version(base_dir: str | os.PathLike[str]) -> RecoveryChoice:
     """Collective: the newest step every rank can resume from, checked on every rank."""
     if dist.get_world_size() > 1:  # first fetch what this node lacks (objects, version files) from peers
-        from ml_flashpoint_nemo.replication.recovery import fetch_missing_from_peers
-
         fetch_missing_from_peers(base_dir)
     layout = CheckpointLayout(base_dir)
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -108,8 +109,6 @@ def choose_version(base_dir: str | os.PathLike[str]) -> RecoveryChoice:
         found = problems_of_every_rank(_local_problem(layout, step, rank, world_size))
         if found and world_size > 1 and discover_nodes(base_dir).node_count > 1 \
                 and _drop_corrupt_objects_on_every_rank(layout, step, rank):  # a peer may hold a good replica
-            from ml_flashpoint_nemo.replication.recovery import fetch_missing_from_peers
-
             fetch_missing_from_peers(base_dir, only_step=step)  # a peer's replica replaces what was dropped
             found = problems_of_every_rank(_local_problem(layout, step, rank, world_size))
         if not found:
