@@ -66,7 +66,7 @@ def agree_on_secret(p: dict[str, Any]) -> None:
 
 def choose_after_a_listing_failure(p: dict[str, Any]) -> None:
     """Rank 1 cannot list its versions: every rank agrees that no RAM version is usable."""
-    from ml_flashpoint_nemo.core import recovery
+    from ml_flashpoint_nemo.replication import choice as recovery
 
     base = _node_base(p)
     base.mkdir(parents=True, exist_ok=True)
