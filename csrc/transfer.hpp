@@ -194,7 +194,7 @@ class TransferServer {
 
   std::atomic<uint64_t> accepted_{0}, rejected_busy_{0}, auth_failures_{0}, protocol_failures_{0},
       pushes_ok_{0}, fetches_ok_{0}, transfer_failures_{0}, bytes_received_{0}, bytes_sent_{0}, spares_taken_{0},
-      mappings_reused_{0};
+      mappings_reused_{0}, temp_files_swept_{0};
 };
 
 }  // namespace flashpoint

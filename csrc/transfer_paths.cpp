@@ -74,7 +74,7 @@ Fd open_spare_dir(int base_fd, const std::string& spare_dir) {
 }
 
 // Opens an existing regular file under base_fd for reading, confined.
-Fd open_confined_for_read(int base_fd, const std::string& path, uint64_t* size_out) {
+Fd open_confined_for_read(int base_fd, const std::string& path, uint64_t* size_out, bool refuse_hard_links) {
   const auto comps = split_relative_path(path);
   Fd dir = open_parent_dir(base_fd, comps, path, false);
   const int fd = ::openat(dir.get(), comps.back().c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
@@ -88,6 +88,10 @@ Fd open_confined_for_read(int base_fd, const std::string& path, uint64_t* size_o
   struct stat st;
   if (::fstat(fd, &st) != 0) throw OsError(errno, "fstat failed", path);
   if (!S_ISREG(st.st_mode)) throw TransferPathError("path " + quoted(path) + " refused: not a regular file");
+  if (refuse_hard_links && st.st_nlink > 1)
+    throw TransferPathError("path " + quoted(path) + " refused: it has " + std::to_string(st.st_nlink) +
+                            " hard links (only singly linked files are served; a link could expose a file from "
+                            "outside the checkpoint tree)");
   // Back to blocking for pread (O_NONBLOCK only kept a FIFO from blocking the open).
   ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
   *size_out = static_cast<uint64_t>(st.st_size);

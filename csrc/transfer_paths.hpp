@@ -18,7 +18,8 @@ Fd open_parent_dir(int base_fd, const std::vector<std::string>& comps, const std
 // The spare directory (relative to base_fd), confined; an empty Fd when there is none.
 Fd open_spare_dir(int base_fd, const std::string& spare_dir);
 // Opens an existing regular file under base_fd for reading, confined; *size_out is its size.
-Fd open_confined_for_read(int base_fd, const std::string& path, uint64_t* size_out);
+// refuse_hard_links: a file with more than one link is refused (what a server serves to peers).
+Fd open_confined_for_read(int base_fd, const std::string& path, uint64_t* size_out, bool refuse_hard_links = false);
 // Opens a base directory given by the caller (not by a peer).
 Fd open_base_dir(const std::string& dir);
 

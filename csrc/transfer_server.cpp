@@ -55,6 +55,9 @@ TransferServer::TransferServer(const TransferServerConfig& config) : config_(con
   Fd stop_event(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (stop_event.get() < 0) throw OsError(errno, "eventfd failed", "");
 
+  // Temporary files of receptions that died with their process (flock released) are removed.
+  const size_t swept = sweep_stale_temp_files(base.get());
+  temp_files_swept_.store(swept);
   base_fd_ = base.release();
   listen_fd_ = listener.release();
   stop_fd_ = stop_event.release();
@@ -116,7 +119,8 @@ std::map<std::string, uint64_t> TransferServer::stats() const {
           {"bytes_received", bytes_received_.load()},
           {"bytes_sent", bytes_sent_.load()},
           {"spares_taken", spares_taken_.load()},
-          {"mappings_reused", mappings_reused_.load()}};
+          {"mappings_reused", mappings_reused_.load()},
+          {"temp_files_swept", temp_files_swept_.load()}};
 }
 
 void TransferServer::record_error(const std::string& message) {
@@ -375,7 +379,7 @@ void TransferServer::handle_fetch(const Connection& c, const std::string& path) 
   Fd file;
   uint64_t file_size = 0;
   try {
-    file = open_confined_for_read(base_fd_, path, &file_size);
+    file = open_confined_for_read(base_fd_, path, &file_size, /*refuse_hard_links=*/true);
   } catch (const std::exception& e) {
     const Refusal r = refusal_for(e);
     refuse(r.status, r.message);

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <dirent.h>
+#include <sys/file.h>
 #include <sys/statvfs.h>
 
 #include "transfer_paths.hpp"
@@ -10,6 +11,15 @@
 
 namespace flashpoint {
 namespace xfer {
+
+// Name of a reception's temporary file: ".xfer-" + 16 hex digits + ".tmp", next to its destination.
+// While a reception is in progress its process holds an exclusive flock on the file.
+inline std::string new_temp_name() { return ".xfer-" + random_hex(8) + ".tmp"; }
+bool is_temp_name(const std::string& name);
+// Removes temporary files under base_fd (the base directory and its direct subdirectories)
+// that no live reception holds (flock obtainable) and that are older than a few seconds.
+// Returns how many it removed; never throws (a sweep only frees space).
+size_t sweep_stale_temp_files(int base_fd);
 
 // --- spare files --------------------------------------------------------------------------
 //
@@ -72,7 +82,7 @@ class TempObject {
     const auto comps = split_relative_path(path);
     final_name_ = comps.back();
     dir_ = open_parent_dir(base_fd, comps, path, true);
-    temp_name_ = ".xfer-" + random_hex(8) + ".tmp";
+    temp_name_ = new_temp_name();
     if (spare_fd >= 0 && size > 0) take_spare(spare_fd, size);
     check_space(size > warm_bytes_ ? size - warm_bytes_ : 0);
     if (file_.get() < 0) create_file();
@@ -148,6 +158,7 @@ class TempObject {
     if (fd < 0) throw OsError(errno, "cannot create a temporary file for " + quoted(path_), path_);
     file_ = Fd(fd);
     created_ = true;
+    ::flock(fd, LOCK_EX | LOCK_NB);  // marks it in use for sweep_stale_temp_files
   }
 
   // Moves the best spare here under temp_name_; on any doubt the spare is skipped.
@@ -164,7 +175,7 @@ class TempObject {
       // Not a plain file any more (replaced between the scan and the rename): put it back.
       created_ = false;
       if (::renameat(dir_.get(), temp_name_.c_str(), spare_fd, spare.name.c_str()) != 0) {
-        if (::unlinkat(dir_.get(), temp_name_.c_str(), 0) != 0) temp_name_ = ".xfer-" + random_hex(8) + ".tmp";
+        if (::unlinkat(dir_.get(), temp_name_.c_str(), 0) != 0) temp_name_ = new_temp_name();
         return;  // something odd is going on in the spare directory: no more spares this time
       }
     }
@@ -175,6 +186,7 @@ class TempObject {
     const int fd = ::openat(dir_.get(), temp_name_.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) return false;
     Fd file(fd);
+    ::flock(fd, LOCK_EX | LOCK_NB);  // marks it in use for sweep_stale_temp_files
     struct stat st;
     if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_nlink != 1) return false;
     ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
