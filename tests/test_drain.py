@@ -57,3 +57,52 @@ def test_plain_nemo_resumes_bit_exact_after_a_crash_mid_drain(reference, tmp_pat
     assert resumed["ckpt_path"] and Path(resumed["ckpt_path"]).parent == found[4], resumed["ckpt_path"]
     assert [step for step, _ in resumed["losses"]] == list(range(5, STEPS + 1))
     assert compare(tmp_path, resumed_from=None) == []
+
+
+def test_a_full_durable_filesystem_fails_drains_on_every_rank_training_goes_on_and_the_next_drain_retries(
+        reference, tmp_path, shm_dir, small_tmpfs):  # noqa: F811
+    """The durable directory lies on a real 16 MiB tmpfs filled up to 200 KB: the drains of steps 2 and 4
+    fail with ENOSPC (logged on both ranks), training goes on unchanged; once space is back, 6 and 8 land."""
+    import os
+
+    drained = small_tmpfs / "drained"
+    checkpoints = drained / "tiny" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    filler = small_tmpfs / "filler"
+    stat = os.statvfs(small_tmpfs)
+    filler.write_bytes(b"\0" * (stat.f_bavail * stat.f_frsize - (200 << 10)))
+    run = train(tmp_path, "full", shm_dir, "--every", "2", "--drain-every", "2", "--drain-log", str(drained),
+                "--unblock-at", "6", "--filler", str(filler))
+    expected = json.loads((reference / "reference" / "result.json").read_text())["losses"]
+    assert run["losses"] == expected, "training went on exactly as without checkpoints"
+    for rank in (0, 1):
+        log = (tmp_path / "full" / f"rank-{rank}.log").read_text()
+        for step in (2, 4):
+            assert f"Durable drain of step {step} to {checkpoints} failed on rank {rank}" in log, log[-3000:]
+        assert "MB free on the durable filesystem" in log, log[-3000:]
+    found = visible(checkpoints)
+    assert sorted(found) == [6, 8], sorted(p.name for p in checkpoints.iterdir())
+    assert found[8].name == "step=8-last"  # no ModelCheckpoint in this run to name it
+    leftovers = [p.name for p in checkpoints.iterdir() if "-step-" in p.name or p.name.endswith("-unfinished")]
+    assert leftovers == [], leftovers
+    for rank in (0, 1):  # every hold released: retention may retire every drained RAM version again
+        assert not list(shm_dir.glob(f"step-*/.drain-hold-{rank}"))
+
+
+def test_sigterm_on_both_ranks_drains_the_newest_ram_version_and_plain_nemo_resumes_from_it_bit_exact(
+        reference, tmp_path, shm_dir):  # noqa: F811
+    """Drains every 4 steps; a real SIGTERM to both ranks after step 7 drains RAM step 6 (not due before
+    step 8), then each rank dies of the signal. Plain NeMo resumes from step 6's checkpoint bit for bit."""
+    link_reference(reference, tmp_path)
+    drained = tmp_path / "drained"
+    checkpoints = drained / "tiny" / "checkpoints"
+    crash = train(tmp_path, "crash", shm_dir, "--every", "2", "--drain-every", "4", "--drain-log", str(drained),
+                  "--drain-modelcheckpoint", "--sigterm-at", "7", expect=-15)
+    assert "Exiting on signal 15 after the durable drain" in crash["log"]
+    found = visible(checkpoints)
+    assert sorted(found) == [4, 6], sorted(p.name for p in checkpoints.iterdir())
+    assert_nemo_layout(found[6])
+    resumed = train(tmp_path, "resume", shm_dir, "--plain-resume", str(drained))
+    assert resumed["ckpt_path"] and Path(resumed["ckpt_path"]).parent == found[6], resumed["ckpt_path"]
+    assert [step for step, _ in resumed["losses"]] == [7, 8]
+    assert compare(tmp_path, resumed_from=None) == []

@@ -373,6 +373,10 @@ class DurableDrain:
         return self.durable_dir / f"{name}{UNFINISHED_SUFFIX}"
 
     def _fail(self, request: DrainRequest, error: str) -> None:
+        try:  # torch reports a full disk as an obscure RuntimeError: say how much room there is
+            error += f" ({shutil.disk_usage(self.durable_dir).free / 1e6:.1f} MB free on the durable filesystem)"
+        except OSError:
+            pass
         self.failures.append((request.step, error))
         logger.error("Durable drain of step %d to %s failed on rank %d, training continues and the next drain "
                      "retries: %s", request.step, self.durable_dir, self.rank, error)
