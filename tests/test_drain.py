@@ -21,6 +21,48 @@ sys.path.insert(0, str(REPO / "examples"))
 from quickstart import compare  # noqa: E402
 
 
+@pytest.mark.parametrize("options, message", [
+    ({"durable_every_n_steps": 4}, "needs durable_dir"),
+    ({"durable_every_n_steps": 0, "durable_dir": "/tmp/d"}, "durable_every_n_steps must be None or an integer >= 1"),
+    ({"durable_every_n_steps": 4, "durable_dir": "/tmp/d", "durable_bytes_per_s": -1}, "durable_bytes_per_s"),
+    ({"durable_keep": 0}, "durable_keep must be an integer >= 1"),
+    ({"preemption_signal": "SIGKILL"}, "catchable signal"),
+    ({"preemption_signal": "TERM"}, "catchable signal"),
+    ({"preemption_grace_s": 0}, "preemption_grace_s must be a number > 0"),
+])
+def test_bad_drain_options_are_refused_up_front(options, message):
+    from ml_flashpoint_nemo.errors import TrainerSetupError
+    from ml_flashpoint_nemo.nemo.settings import FlashpointSettings
+
+    with pytest.raises(TrainerSetupError, match=message):
+        FlashpointSettings.create("/dev/shm/unused-base", **options)
+
+
+def test_a_durable_dir_inside_the_ram_base_is_refused(shm_dir):
+    from ml_flashpoint_nemo.errors import TrainerSetupError
+    from ml_flashpoint_nemo.nemo.settings import FlashpointSettings
+
+    with pytest.raises(TrainerSetupError, match="overlaps the RAM checkpoint directory"):
+        FlashpointSettings.create(shm_dir, durable_every_n_steps=2, durable_dir=str(shm_dir / "durable"))
+    assert list(shm_dir.iterdir()) == [], "nothing created"
+
+
+def test_a_held_version_is_not_retired_until_its_hold_is_released(shm_dir):
+    from ml_flashpoint_nemo.core.layout import CheckpointLayout
+    from ml_flashpoint_nemo.core.versions import committed_steps, delete_superseded
+
+    layout = CheckpointLayout(shm_dir)
+    for step in (2, 4, 6):
+        layout.version_dir(step).mkdir()
+        layout.commit_path(step).write_bytes(b"")
+    layout.hold_path(2, 1).touch()  # rank 1 drains step 2
+    assert delete_superseded(shm_dir, keep=1, rank=0) == [4]
+    assert committed_steps(layout) == [2, 6] and layout.hold_path(2, 1).is_file()
+    layout.hold_path(2, 1).unlink()
+    assert delete_superseded(shm_dir, keep=1, rank=0) == [2]
+    assert committed_steps(layout) == [6]
+
+
 def visible(checkpoints: Path) -> dict[int, Path]:
     """Drained checkpoints NeMo can see: RAM step -> directory (hidden drains in progress excluded)."""
     found = {}

@@ -102,6 +102,11 @@ class FlashpointSettings(FlashpointOptions):
     def create(cls, base_dir: str | os.PathLike[str] | None = None, **options: object) -> "FlashpointSettings":
         """Settings with the base directory resolved (FLASHPOINT_BASE_DIR or the job id) and options checked."""
         settings = cls(base_dir=Path(base_dir) if base_dir else default_base_dir(), **checked_options(options))
+        if settings.durable_dir is not None:
+            base, durable = os.path.realpath(settings.base_dir), os.path.realpath(settings.durable_dir)
+            if os.path.commonpath([base, durable]) in (base, durable):
+                raise TrainerSetupError(f"flashpoint option durable_dir {settings.durable_dir} overlaps the RAM "
+                                        f"checkpoint directory {settings.base_dir}; put durable checkpoints on disk")
         return settings
 
 
