@@ -159,7 +159,8 @@ def delete_superseded(
 ) -> list[int]:
     """Retire all but the newest `keep` committed versions, and uncommitted leftovers older than the newest.
 
-    Uncommitted versions newer than the newest committed one may still be being written and are left alone.
+    Uncommitted versions newer than the newest committed one may still be being written and are left alone,
+    and so are held versions (a durable drain is reading them; it releases the hold when done).
     Returns the steps retired.
     """
     if keep < 1:
@@ -170,7 +171,7 @@ def delete_superseded(
         return []
     survivors = set(committed[-keep:])
     newest = committed[-1]
-    retired = [s for s in layout.version_steps() if s not in survivors and s < newest]
+    retired = [s for s in layout.version_steps() if s not in survivors and s < newest and not layout.is_held(s)]
     for step in retired:
         retire_version(layout, step, rank=rank, pool=pool)
     if retired:
