@@ -39,10 +39,11 @@ from ml_flashpoint_nemo.cli.common import (
     open_base,
     parse_step,
 )
+from ml_flashpoint_nemo.core.layout import DCP_METADATA_NAME, MEGATRON_CONFIG_NAME
 from ml_flashpoint_nemo.core.versions import fsync_directory
 
 _READ_BATCH_BYTES = 64 << 20  # progress granularity: records are read in batches of about this size
-_SKIPPED_VERSION_FILES = {".metadata", "metadata.json"}
+_SKIPPED_VERSION_FILES = {DCP_METADATA_NAME, MEGATRON_CONFIG_NAME}
 
 
 class Progress:
@@ -105,7 +106,7 @@ def _plan_dcp_version(layout: Any, commit: Any) -> tuple[dict[str, list[_Read]],
 
     from ml_flashpoint_nemo.core.version_files import read_checked_file
     from ml_flashpoint_nemo.dcp.metadata_file import decode_metadata
-    from ml_flashpoint_nemo.dcp.storage_info import DCP_METADATA_NAME, item_location
+    from ml_flashpoint_nemo.dcp.storage_info import item_location
     from ml_flashpoint_nemo.errors import CorruptCheckpointError
 
     # verified against the commit record before it is unpickled (as MemoryStorageReader does)
