@@ -165,8 +165,8 @@ def scan_versions(layout: CheckpointLayout) -> list[VersionEntry]:
                 entry.error = str(exc)
         entries.append(entry)
     superseded = set(superseded_steps([e.step for e in entries], [e.step for e in entries if e.committed], keep=1))
-    for e in entries:
-        e.leftover = not e.committed and e.step in superseded
+    for version in entries:
+        version.leftover = not version.committed and version.step in superseded
     return entries
 
 
