@@ -1,7 +1,7 @@
 """Real NeMo trainers on 2 CPU ranks: train, RAM checkpoints, SIGKILL, restart, resume - and the fallbacks.
 
 Each run is 2 real rank processes (gloo) started by examples/launch.py; the CPU stand-ins for
-CUDA-only calls come from examples/cpu_shims.py (no GPU here). A resumed run must match an
+CUDA-only calls come from ml_flashpoint_nemo/testing/cpu_shims.py (no GPU here). A resumed run must match an
 uninterrupted one bit for bit: losses, parameters and optimizer state.
 """
 

@@ -37,6 +37,7 @@ from ml_flashpoint_nemo.cli.common import (
     open_base,
     parse_step,
 )
+from ml_flashpoint_nemo.core.layout import DCP_METADATA_NAME, MEGATRON_CONFIG_NAME
 from ml_flashpoint_nemo.core.versions import fsync_directory
 from ml_flashpoint_nemo.dcp.conversion import (
     Read,
@@ -48,7 +49,7 @@ from ml_flashpoint_nemo.dcp.conversion import (
 )
 
 _READ_BATCH_BYTES = 64 << 20  # progress granularity: records are read in batches of about this size
-_SKIPPED_VERSION_FILES = {".metadata", "metadata.json"}
+_SKIPPED_VERSION_FILES = {DCP_METADATA_NAME, MEGATRON_CONFIG_NAME}
 
 
 class Progress:

@@ -24,8 +24,8 @@ from ml_flashpoint_nemo.core.gc_pause import without_gc
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.loader import open_object, read_object
 from ml_flashpoint_nemo.core.values import dtype_name
-from ml_flashpoint_nemo.core.versions import committed_steps, read_commit
 from ml_flashpoint_nemo.core.version_files import read_checked_file
+from ml_flashpoint_nemo.core.versions import committed_steps, read_commit
 from ml_flashpoint_nemo.dcp.metadata_file import decode_metadata
 from ml_flashpoint_nemo.dcp.storage_info import (
     DCP_METADATA_NAME,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from ml_flashpoint_nemo.errors import TrainerSetupError
 from ml_flashpoint_nemo.nemo.job import default_base_dir
@@ -90,6 +90,24 @@ def preemption_signal_number(name: str) -> int:
 def _check_positive(name: str, value: object) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
         raise TrainerSetupError(f"flashpoint option {name} must be a number > 0, got {value!r}")
+
+
+class FlashpointOptionValues(TypedDict, total=False):
+    """FlashpointOptions as keyword arguments (`**options: Unpack[FlashpointOptionValues]`): type checkers
+    then know each option's name and type. Defaults and meanings are FlashpointOptions'; a test keeps the two equal."""
+
+    every_n_steps: int
+    skip_durable_steps: bool
+    keep: int
+    replication_factor: int
+    threads: int | None
+    async_save: bool | None
+    checksum: bool
+    persistent_worker: bool
+    worker_timeout_s: float
+    parallel_save: bool
+    enabled: bool
+    resume: bool
 
 
 @dataclass(kw_only=True)
