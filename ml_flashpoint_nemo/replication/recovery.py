@@ -71,6 +71,16 @@ def _inventory(layout: CheckpointLayout) -> dict[int, tuple[bool, list[str]]]:
     return found
 
 
+def _inventory_or_nothing(layout: CheckpointLayout) -> dict[int, tuple[bool, list[str]]]:
+    """This node's inventory; a node that cannot list its versions offers none (it must reach the gather)."""
+    try:
+        return _inventory(layout)
+    except Exception as exc:  # noqa: BLE001 - logged; peers then see a node holding nothing
+        logger.warning("Rank %d cannot list its RAM checkpoint versions in %s (%s: %s); it offers none to its peers",
+                       dist.get_rank(), layout.base_dir, type(exc).__name__, exc)
+        return {}
+
+
 def fetch_missing_from_peers(
     base_dir: str | os.PathLike[str], config: ReplicationConfig | None = None, *, only_step: int | None = None
 ) -> int | None:
@@ -87,7 +97,7 @@ def fetch_missing_from_peers(
         pass
     topology = discover_nodes(base_dir)
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, _inventory(layout))
+    dist.all_gather_object(everyone, _inventory_or_nothing(layout))
     if topology.node_count < 2:
         return None
     nodes = [everyone[leader] for leader in topology.leaders]
