@@ -1,9 +1,9 @@
 """The durable drain: committed RAM versions copied, in a background thread, into standard NeMo checkpoints.
 
 Every rank copies its own share of a version (the objects it wrote) from tmpfs into the DCP data files of
-`<durable_dir>/.drain-<token>-step-<N>/weights/`, reading each record through the flashpoint loader (so
+`<durable_dir>/.drain-<token>-<N>/weights/`, reading each record through the flashpoint loader (so
 every byte is checked against its CRC32C) and writing it with torch's FileSystemWriter, throttled to
-`bytes_per_s`. It then writes a done file naming what it wrote (`.done-rank-<R>`, JSON). Rank 0's drain
+`bytes_per_s`. It then writes a done file naming what it wrote (`.share-done-<R>`, JSON). Rank 0's drain
 waits for every rank's done file (bounded), writes the DCP `.metadata`, `common.pt`, the NeMo `context/`
 and Megatron's `metadata.json` last, renames the directory to its NeMo name and removes NeMo's
 `<name>-unfinished` marker, which it set before writing. No collective runs outside the main thread:
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ml_flashpoint_nemo.core.layout import CheckpointLayout
+from ml_flashpoint_nemo.core.layout import MEGATRON_COMMON_NAME, CheckpointLayout
 from ml_flashpoint_nemo.core.loader import open_object, read_object
 from ml_flashpoint_nemo.core.version_files import read_checked_file
 from ml_flashpoint_nemo.core.versions import fsync_directory, read_commit, write_file_atomically
@@ -36,11 +36,11 @@ from ml_flashpoint_nemo.errors import DurableDrainError, FlashpointError
 
 logger = logging.getLogger(__name__)
 
-TEMP_PREFIX = ".drain-"  # <durable_dir>/.drain-<token>-step-<N>: a drain in progress, never a checkpoint
-DONE_PREFIX = ".done-rank-"  # in the temporary directory: one rank's share is written
+TEMP_PREFIX = ".drain-"  # <durable_dir>/.drain-<token>-<N>: a drain in progress, never a checkpoint
+DONE_PREFIX = ".share-done-"  # in the temporary directory: one rank's share is written
 DRAINED_MARK = ".flashpoint-drained"  # in a published checkpoint: its RAM step (retention counts only these)
 UNFINISHED_SUFFIX = "-unfinished"  # NeMo's ModelCheckpoint.UNFINISHED_CHECKPOINT_SUFFIX
-COMMON_STATE = "common.pt"
+COMMON_STATE = MEGATRON_COMMON_NAME
 BUCKET_BYTES = 64 << 20  # one data file per ~64 MiB: FileSystemWriter keeps a file's tensors until it is closed
 _POLL_S = 0.05
 
@@ -271,7 +271,7 @@ class DurableDrain:
         writer = FileSystemWriter(str(weights), sync_files=True)
         writer.set_up_storage_writer(True)
         writer.finish(metadata, [shares])
-        write_file_atomically(weights, COMMON_STATE, common, "common.pt of a drained checkpoint")
+        write_file_atomically(weights, COMMON_STATE, common, f"{COMMON_STATE} of a drained checkpoint")
         if self.context_dir is not None and self.context_dir.is_dir():
             shutil.copytree(self.context_dir, temporary / "context", dirs_exist_ok=True)
         for rank in range(self.world_size):
@@ -349,7 +349,7 @@ class DurableDrain:
         """Rank 0: keep the newest `keep` drained checkpoints; remove leftovers of this run's earlier drains."""
         drained = []
         for entry in _scan(self.durable_dir):
-            if entry.name.startswith(f"{TEMP_PREFIX}{self.token}-step-"):
+            if entry.name.startswith(f"{TEMP_PREFIX}{self.token}-"):
                 step = entry.name.rsplit("-", 1)[-1]
                 if step.isdigit() and int(step) < newest:
                     shutil.rmtree(entry, ignore_errors=True)
@@ -367,7 +367,7 @@ class DurableDrain:
     # --- helpers ------------------------------------------------------------------------------
 
     def temporary_dir(self, step: int) -> Path:
-        return self.durable_dir / f"{TEMP_PREFIX}{self.token}-step-{step}"
+        return self.durable_dir / f"{TEMP_PREFIX}{self.token}-{step}"
 
     def _marker(self, name: str) -> Path:
         return self.durable_dir / f"{name}{UNFINISHED_SUFFIX}"

@@ -108,6 +108,13 @@ class FlashpointOptionValues(TypedDict, total=False):
     parallel_save: bool
     enabled: bool
     resume: bool
+    durable_every_n_steps: int | None
+    durable_dir: str | None
+    durable_keep: int
+    durable_bytes_per_s: float | None
+    durable_timeout_s: float
+    preemption_signal: str | None
+    preemption_grace_s: float
 
 
 @dataclass(kw_only=True)
