@@ -225,9 +225,10 @@ constexpr size_t kFoldMin = 2 * kFoldBlock;  // below this, the crc32 instructio
 
 // {x^(F+31), x^(F-33)} mod P for a fold over F bits: the multipliers of the high-power
 // (low) and low-power (high) 64-bit halves of a 128-bit remainder.
+// Each pair is repeated for the four 128-bit lanes of a 512-bit register.
 struct FoldConstants {
-  alignas(16) uint64_t over_2048[2];  // one 256-byte block ahead: each of the four accumulators
-  alignas(16) uint64_t over_512[2];   // one 512-bit accumulator into the next
+  alignas(64) uint64_t over_2048[8];  // one 256-byte block ahead: each of the four accumulators
+  alignas(64) uint64_t over_512[8];   // one 512-bit accumulator into the next
   alignas(16) uint64_t over_128[2];   // one 128-bit lane into the next
 };
 
@@ -235,13 +236,15 @@ const FoldConstants& fold_constants() {
   static const FoldConstants constants = [] {
     const Tables& t = tables();
     FoldConstants c{};
-    const auto pair = [&](uint64_t bits, uint64_t* out) {
-      out[0] = t.x_pow(bits + 31);
-      out[1] = t.x_pow(bits - 33);
+    const auto pairs = [&](uint64_t bits, uint64_t* out, int lanes) {
+      for (int lane = 0; lane < lanes; ++lane) {
+        out[2 * lane] = t.x_pow(bits + 31);
+        out[2 * lane + 1] = t.x_pow(bits - 33);
+      }
     };
-    pair(2048, c.over_2048);
-    pair(512, c.over_512);
-    pair(128, c.over_128);
+    pairs(2048, c.over_2048, 4);
+    pairs(512, c.over_512, 4);
+    pairs(128, c.over_128, 1);
     return c;
   }();
   return constants;
@@ -286,8 +289,8 @@ FLASHPOINT_FOLD_TARGET inline __m512i take_64(uint8_t* dst, const uint8_t* src) 
 template <bool kCopy>
 FLASHPOINT_FOLD_TARGET uint32_t fold_blocks(uint8_t* dst, const uint8_t* src, size_t n, uint32_t crc) {
   const FoldConstants& fc = fold_constants();
-  const __m512i k2048 = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(fc.over_2048)));
-  const __m512i k512 = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(fc.over_512)));
+  const __m512i k2048 = _mm512_load_si512(fc.over_2048);
+  const __m512i k512 = _mm512_load_si512(fc.over_512);
   const __m128i k128 = _mm_load_si128(reinterpret_cast<const __m128i*>(fc.over_128));
 
   // The running register enters as an xor into the first four bytes (reflected CRCs allow this).
@@ -305,10 +308,14 @@ FLASHPOINT_FOLD_TARGET uint32_t fold_blocks(uint8_t* dst, const uint8_t* src, si
   __m512i x = fold_512(fold_512(fold_512(x0, k512, x1), k512, x2), k512, x3);
   for (; off + 64 <= n; off += 64) x = fold_512(x, k512, take_64<kCopy>(dst + off, src + off));
 
-  __m128i a = _mm512_extracti32x4_epi32(x, 0);
-  a = fold_128(a, k128, _mm512_extracti32x4_epi32(x, 1));
-  a = fold_128(a, k128, _mm512_extracti32x4_epi32(x, 2));
-  a = fold_128(a, k128, _mm512_extracti32x4_epi32(x, 3));
+  // Through memory rather than lane extracts: GCC's extract intrinsics trip its uninitialized-use
+  // warnings in sanitizer builds, and this runs once per call.
+  alignas(64) __m128i lanes[4];
+  _mm512_store_si512(lanes, x);
+  __m128i a = lanes[0];
+  a = fold_128(a, k128, lanes[1]);
+  a = fold_128(a, k128, lanes[2]);
+  a = fold_128(a, k128, lanes[3]);
   // The 16 bytes left have the CRC of everything folded into them.
   uint64_t c = _mm_crc32_u64(0, static_cast<uint64_t>(_mm_cvtsi128_si64(a)));
   c = _mm_crc32_u64(c, static_cast<uint64_t>(_mm_extract_epi64(a, 1)));
