@@ -415,7 +415,7 @@ const char* crc32c_backend() { return backend().name; }
 
 namespace {
 
-std::vector<Backend> available_backends() {
+std::vector<Backend> probe_backends() {
   std::vector<Backend> all;
 #if FLASHPOINT_X86
   if (cpu_has_avx512_vpclmul()) all.push_back({crc_raw_vpclmul, "avx512-vpclmul"});
@@ -426,6 +426,12 @@ std::vector<Backend> available_backends() {
 #endif
   all.push_back({crc_raw_software, "software"});
   return all;
+}
+
+// Probed once: cpuid traps to the hypervisor in a VM and costs microseconds per call.
+const std::vector<Backend>& available_backends() {
+  static const std::vector<Backend> backends = probe_backends();
+  return backends;
 }
 
 }  // namespace
