@@ -431,7 +431,8 @@ def run_driver(args: argparse.Namespace) -> int:
                 shutil.rmtree(base, ignore_errors=True)
                 shutil.rmtree(Path(args.out) / config / "logs", ignore_errors=True)  # durable checkpoints
                 shutil.rmtree(Path(args.out) / config / "durable", ignore_errors=True)
-        rows += report_rows(args, results, hidden, layers)
+        reported = report_rows(args, results, hidden, layers)
+        rows = reported[:1] + rows + reported[1:]  # the setup row first
     finally:
         if own_out:
             shutil.rmtree(args.out, ignore_errors=True)
