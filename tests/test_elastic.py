@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from ml_flashpoint_nemo.core import committed_steps
+from ml_flashpoint_nemo.core import committed_steps, verify_version
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from tests.support.multiproc import run_world
 
@@ -52,3 +52,20 @@ def test_request_the_version_cannot_satisfy_fails_clearly_as_with_torch_dist(bas
     for out in outputs:
         assert "REFUSED ours" in out and "REFUSED torch_dist" in out, out
     assert committed_steps(CheckpointLayout(base_dir)) == [1]
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("record_shape", "holds [4, 6] elements but the DCP metadata of version 1 says [6, 4]"),
+    ("outside", "outside the tensor's shape [8, 6]"),
+    ("negative", "not non-negative integers"),
+    ("chunk_missing", "holding 24 elements, but the tensor [8, 6] has 48: part of it was not saved"),
+])
+def test_chunk_offsets_and_sizes_from_the_metadata_are_checked_before_use(base_dir, kind, message):
+    """Resharding reads parts of stored chunks where .metadata says they are: a lie there (its checksum
+    recomputed, so only validation can catch it) is a clear CorruptCheckpointError, never garbage."""
+    run("save_layout", 2, base=base_dir, step=1, tp=2)
+    outputs = run("forged_chunk_is_refused", 1, base=base_dir, step=1, tp=1, kind=kind)
+    assert "CorruptCheckpointError" in outputs[0] and message in outputs[0], outputs[0]
+    if kind != "record_shape":  # refused before any record is read
+        assert "UNTOUCHED True" in outputs[0], outputs[0]
+    assert verify_version(base_dir, 1).objects == 2  # the stored objects are intact

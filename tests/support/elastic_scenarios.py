@@ -15,7 +15,7 @@ built from a seed, so a loading world knows exactly what each of its shards must
 
 from __future__ import annotations
 
-import logging
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -144,12 +144,45 @@ def unsatisfiable_load_is_refused(p: dict[str, Any]) -> None:
         assert torch.equal(template[key].data, data), key
 
 
+def forge_metadata(base: str, step: int, kind: str) -> None:
+    """Rewrite the version's .metadata as a buggy writer would, with the commit record's checksum made to match."""
+    import pickle
+
+    from ml_flashpoint_nemo.core.layout import CheckpointLayout
+    from ml_flashpoint_nemo.core.version_files import FILES_KEY, describe_bytes
+    from ml_flashpoint_nemo.core.versions import read_commit, write_commit
+
+    path = Path(base) / f"step-{step}" / ".metadata"
+    metadata = pickle.loads(path.read_bytes())
+    chunks = metadata.state_dict_metadata["w_col"].chunks  # saved by TP2: [4, 6] at [0, 0] and [4, 0]
+    first = chunks[0]
+    if kind == "record_shape":  # same volume, inside the tensor, but not the shape of the stored record
+        chunks[0] = dataclasses.replace(first, sizes=torch.Size([6, 4]))
+    elif kind == "outside":
+        chunks[0] = dataclasses.replace(first, offsets=torch.Size([6, 0]))
+    elif kind == "negative":
+        chunks[0] = dataclasses.replace(first, offsets=torch.Size([-4, 0]))
+    elif kind == "chunk_missing":  # rank 1's part of w_col is not listed
+        del chunks[1]
+    encoded = pickle.dumps(metadata)
+    path.write_bytes(encoded)
+    layout = CheckpointLayout(base)
+    commit = read_commit(layout, step)
+    files = dict(commit.metadata[FILES_KEY], **{".metadata": describe_bytes(encoded)})
+    write_commit(layout, step, commit.objects, world_size=commit.world_size,
+                 metadata={**commit.metadata, FILES_KEY: files})
+
+
 def forged_chunk_is_refused(p: dict[str, Any]) -> None:
-    """Load a version whose .metadata was forged (test_elastic rewrote it, checksums recomputed)."""
-    logging.getLogger("ml_flashpoint_nemo").addHandler(logging.StreamHandler(sys.stdout))
+    """A .metadata whose chunk offsets or sizes lie (checksums recomputed) fails the load clearly."""
+    if dist.get_rank() == 0:
+        forge_metadata(p["base"], p["step"], p["kind"])
+    dist.barrier()
     template = sharded_state(p["step"], p["tp"], zeros=True)
     expect_failure(lambda: dist_checkpointing.load(template, os.path.join(p["base"], f"step-{p['step']}"),
                                                    sharded_strategy=load_strategy(p)), "REFUSED")
+    untouched = all(not v.data.any() for v in template.values() if isinstance(v, ShardedTensor))
+    print("UNTOUCHED", untouched, flush=True)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,8 @@ def main() -> None:
     parser.add_argument("--save-worker-up", action="store_true",
                         help="train only once the persistent save worker is up, as a job whose first save comes "
                              "minutes after set-up has it (this tiny model saves within a second of starting)")
+    parser.add_argument("--dump-resumed-state", action="store_true",
+                        help="rank 0 writes the state it starts training from (after a resume) to resumed_state.pt")
     args = parser.parse_args()
     args.base = args.base.replace("{rank}", os.environ.get("RANK", "0"))
     sys.path.insert(0, str(EXAMPLES))
@@ -60,9 +62,17 @@ def main() -> None:
             queue = trainer._flashpoint.io.flashpoint_queue
             assert queue.worker_ready(timeout=120), "the persistent save worker did not come up in 120 s"
 
+    class DumpResumedState(pl.Callback):
+        def on_train_start(self, trainer: Any, *unused: Any) -> None:
+            if trainer.global_rank == 0:
+                torch.save({"model": tiny_gpt.model_state_dict(trainer), "step": trainer.global_step,
+                            "optimizer": quickstart.flat_tensors(trainer.strategy.optimizers[0].state_dict())},
+                           Path(args.out) / "resumed_state.pt")
+
     recorder = tiny_gpt.LossRecorder()
     callbacks: list[Any] = [recorder] + ([KillAfter()] if args.kill_at else [])
     callbacks += [SaveWorkerUp()] if args.save_worker_up else []
+    callbacks += [DumpResumedState()] if args.dump_resumed_state else []
     options = {"every_n_steps": args.every, "keep": args.keep}
     if args.route == "callback_config":  # what a recipe's trainer.callbacks entry becomes
         callbacks.append(build(run.Config(FlashpointCallback, base_dir=args.base, **options)))
