@@ -69,3 +69,11 @@ def test_chunk_offsets_and_sizes_from_the_metadata_are_checked_before_use(base_d
     if kind != "record_shape":  # refused before any record is read
         assert "UNTOUCHED True" in outputs[0], outputs[0]
     assert verify_version(base_dir, 1).objects == 2  # the stored objects are intact
+
+
+def test_versions_of_a_larger_world_are_retired_whole_after_the_job_shrank(base_dir):
+    """Objects of ranks that no longer exist are retired with their version: no tmpfs memory leaks."""
+    run("save_layout", 2, base=base_dir, step=1, tp=2)
+    run("save_layout", 1, base=base_dir, steps=[2, 3], tp=1)
+    assert committed_steps(CheckpointLayout(base_dir)) == [2, 3]
+    assert not (base_dir / "step-1").exists(), sorted(p.name for p in (base_dir / "step-1").iterdir())

@@ -116,12 +116,14 @@ def list_versions(base_dir: str | os.PathLike[str]) -> list[VersionInfo]:
     return infos
 
 
-def retire_version(layout: CheckpointLayout, step: int, *, rank: int | None, pool: BufferPool | None = None) -> None:
+def retire_version(layout: CheckpointLayout, step: int, *, rank: int | None, pool: BufferPool | None = None,
+                   world_size: int | None = None) -> None:
     """Remove a version: its commit record first, then the objects of `rank` (all ranks if None).
 
     Version-level files (commit record, adapter metadata) go with the first caller; objects
-    of other ranks are left to those ranks. With a pool, this rank's object files go back into
-    it for reuse instead of being deleted.
+    of other ranks are left to those ranks, except those of ranks >= world_size (a version
+    saved before the job restarted with fewer ranks: no rank would ever remove them). With a
+    pool, this rank's object files go back into it for reuse instead of being deleted.
     """
     directory = layout.version_dir(step)
     layout.commit_path(step).unlink(missing_ok=True)
@@ -130,7 +132,7 @@ def retire_version(layout: CheckpointLayout, step: int, *, rank: int | None, poo
         path = directory / name
         if owner is None:
             path.unlink(missing_ok=True)
-        elif rank is None or owner == rank:
+        elif rank is None or owner == rank or (world_size is not None and owner >= world_size):
             if pool is not None and owner == pool.rank:
                 pool.recycle(path)
             else:
@@ -155,7 +157,8 @@ def _list_dir(directory: Path) -> Iterable[str]:
 
 
 def delete_superseded(
-    base_dir: str | os.PathLike[str], *, keep: int = 1, rank: int | None = None, pool: BufferPool | None = None
+    base_dir: str | os.PathLike[str], *, keep: int = 1, rank: int | None = None, pool: BufferPool | None = None,
+    world_size: int | None = None,
 ) -> list[int]:
     """Retire all but the newest `keep` committed versions, and uncommitted leftovers older than the newest.
 
@@ -172,7 +175,7 @@ def delete_superseded(
     newest = committed[-1]
     retired = [s for s in layout.version_steps() if s not in survivors and s < newest]
     for step in retired:
-        retire_version(layout, step, rank=rank, pool=pool)
+        retire_version(layout, step, rank=rank, pool=pool, world_size=world_size)
     if retired:
         logger.debug("Retired versions %s under %s (kept %s)", retired, layout.base_dir, sorted(survivors))
     return retired

@@ -95,14 +95,14 @@ def version_dir(base: str, step: int) -> str:
 
 
 def save_layout(p: dict[str, Any]) -> None:
-    """Save step p["step"] in layout tp=p["tp"]; with p["durable"], the same through torch_dist there."""
+    """Save step p["step"] (or each of p["steps"]) in layout tp=p["tp"]; with p["durable"], also through torch_dist."""
     strategy = FlashpointSaveStrategy()
-    dist_checkpointing.save(sharded_state(p["step"], p["tp"]), version_dir(p["base"], p["step"]),
-                            sharded_strategy=strategy)
+    for step in p.get("steps") or [p["step"]]:
+        dist_checkpointing.save(sharded_state(step, p["tp"]), version_dir(p["base"], step), sharded_strategy=strategy)
+        if p.get("durable"):
+            dist_checkpointing.save(sharded_state(step, p["tp"]), version_dir(p["durable"], step))
+        print("SAVED", step, flush=True)
     strategy.close()
-    if p.get("durable"):
-        dist_checkpointing.save(sharded_state(p["step"], p["tp"]), version_dir(p["durable"], p["step"]))
-    print("SAVED", p["step"], flush=True)
 
 
 def load_strategy(p: dict[str, Any]) -> Any:
