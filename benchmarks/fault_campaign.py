@@ -13,7 +13,10 @@ newest durable copy, else step 0) and trains to the end. A run is then:
 - wrong_load: the state loaded differs from the one saved at that step (SHA-256 of every tensor,
   logged before each save), the ranks resumed from different steps, or the final state differs
   from an uninterrupted reference run (must be 0);
-- hang: an incarnation ran past --timeout (must be 0);
+- hang: an incarnation ran past --timeout, counted from the moment both ranks had their process
+  group up (must be 0);
+- startup_timeout: a rank was still starting (importing, in the rendezvous) after --startup-timeout:
+  the machine, not the product (must be 0 too, else the run judged nothing);
 - error: the recovery incarnation failed, or a fault that kills nothing stopped training.
 
 Faults are drawn round-robin over the kinds (so N >= number of kinds covers each) with random
@@ -43,7 +46,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "examples"))
-from launch import launch_ranks  # noqa: E402
+from launch import StartupTimeoutError, launch_ranks  # noqa: E402
 
 RANK_SCRIPT = str(HERE / "fault_campaign_rank.py")
 STEPS = 10
@@ -53,6 +56,7 @@ KINDS = (*KILL_POINTS, "kill_peer", "kill_random", "flip_object", "flip_commit",
          "wipe_node", "enospc", "manager_fail")
 DESTROYS_DATA = {"flip_object", "flip_commit", "flip_version_file", "wipe_node", "manager_fail"}
 VERSION_FILES = (".metadata", "common.pt", "metadata.json")
+STARTUP = "startup"  # Campaign.incarnation's code for a start-up past --startup-timeout
 ENOSPC_TMPFS = "384m"  # both nodes: pools, 2-3 versions and replicas of 16 MiB per rank
 
 
@@ -175,17 +179,21 @@ class Campaign:
                         FLASHPOINT_MANAGER_TIMEOUT_S=str(args.manager_timeout))
 
     def incarnation(self, run_dir: Path, bases: list[Path], incarnation: int, fault: dict[str, Any] | None,
-                    flashpoint: bool = True) -> tuple[int | None, float]:
-        """Run both ranks once; returns (worst exit code, seconds), code None when it hung."""
+                    flashpoint: bool = True) -> tuple[int | str | None, float]:
+        """Run both ranks once; returns (worst exit code, seconds), code None when it hung after start-up
+        and STARTUP when a rank did not start within --startup-timeout."""
         params = {"bases": [str(b) for b in bases], "durable": str(run_dir / "durable"), "run_dir": str(run_dir),
                   "steps": STEPS, "incarnation": incarnation, "fault": fault, "flashpoint": flashpoint,
-                  "worker": self.args.worker,
+                  "worker": self.args.worker, "startup_delay_s": self.args.startup_delay.get(incarnation, {}) if flashpoint else {},
                   "stack_dump_after_s": max(1.0, self.args.timeout - 15)}
         started = time.monotonic()
+        code: int | str | None
         try:
             code = launch_ranks(RANK_SCRIPT, [json.dumps(params)], nproc=NPROC, timeout=self.args.timeout,
                                 env=self.env, log_dir=run_dir / f"logs-inc{incarnation}", stop_on_failure=True,
-                                stack_signal=signal.SIGUSR1)
+                                stack_signal=signal.SIGUSR1, startup_timeout=self.args.startup_timeout)
+        except StartupTimeoutError:
+            code = STARTUP
         except TimeoutError:
             code = None
         return code, time.monotonic() - started
@@ -195,6 +203,8 @@ class Campaign:
         run_dir = self.disk_root / "reference"
         run_dir.mkdir()
         code, _ = self.incarnation(run_dir, [self.ram_root / "unused"] * NPROC, 0, None, flashpoint=False)
+        if code == STARTUP:
+            sys.exit(f"the reference run did not start within {self.args.startup_timeout} s; see {run_dir}/logs-inc0")
         finals = [read_json(run_dir / f"final-rank{r}-inc0.json") for r in range(NPROC)]
         if code != 0 or None in finals:
             sys.exit(f"the reference run failed (exit {code}); see {run_dir}/logs-inc0")
@@ -213,7 +223,7 @@ class Campaign:
             base.mkdir(parents=True)
         try:
             record = self._judge(index, fault, run_dir, bases, reference)
-            if record["outcome"] in ("wrong_load", "hang", "error"):
+            if record["outcome"] in ("wrong_load", "hang", "error", "startup_timeout"):
                 record["ram_files"] = ram_listing(ram)
                 record["log_tails"] = log_tails(run_dir)
             return record
@@ -228,8 +238,10 @@ class Campaign:
         record: dict[str, Any] = {"run": index, "fault": fault}
         code0, seconds0 = self.incarnation(run_dir, bases, 0, fault)
         record["incarnation0"] = {"exit": code0, "seconds": round(seconds0, 2)}
+        if code0 == STARTUP:
+            return dict(record, outcome="startup_timeout", why=self._slow_start("incarnation 0"))
         if code0 is None:
-            return dict(record, outcome="hang", why=f"incarnation 0 ran past {self.args.timeout} s")
+            return dict(record, outcome="hang", why=f"incarnation 0 ran past {self.args.timeout} s after start-up")
         # The coordinator commits once every rank's object is in place; a node killed before its own copy
         # of the commit record still holds its objects, and recovery completes the version from the peer.
         newest = max(set().union(*(committed_steps(b) for b in bases)), default=None)
@@ -243,8 +255,10 @@ class Campaign:
                                                      f"{run_dir}/logs-inc0/rank-{fault['rank']}.log")
         code1, seconds1 = self.incarnation(run_dir, bases, 1, None)
         record["incarnation1"] = {"exit": code1, "seconds": round(seconds1, 2)}
+        if code1 == STARTUP:
+            return dict(record, outcome="startup_timeout", why=self._slow_start("recovery"))
         if code1 is None:
-            return dict(record, outcome="hang", why=f"recovery ran past {self.args.timeout} s")
+            return dict(record, outcome="hang", why=f"recovery ran past {self.args.timeout} s after start-up")
         results = [read_json(run_dir / f"result-rank{r}-inc1.json") for r in range(NPROC)]
         finals = [read_json(run_dir / f"final-rank{r}-inc1.json") for r in range(NPROC)]
         if code1 != 0 or None in results or None in finals:
@@ -268,6 +282,10 @@ class Campaign:
         else:
             why = "unexplained"
         return dict(record, outcome="fell_back", why=f"{source} step {step} instead of {newest}: {why}")
+
+    def _slow_start(self, which: str) -> str:
+        return (f"{which}: a rank's process group was not up within --startup-timeout {self.args.startup_timeout} s "
+                "(imports or rendezvous on a loaded machine; no product code had run)")
 
     @staticmethod
     def _wrong_load(run_dir: Path, results: list[dict[str, Any]], finals: list[dict[str, Any]],
@@ -308,10 +326,11 @@ def summarize(runs: list[dict[str, Any]], seconds: float, args: argparse.Namespa
         "fell_back_unexplained": unexplained,
         "wrong_loads": outcomes["wrong_load"],
         "hangs": outcomes["hang"],
+        "startup_timeouts": outcomes["startup_timeout"],
         "errors": outcomes["error"],
         "skipped": outcomes["skipped"],
         "by_kind": {kind: dict(c) for kind, c in sorted(by_kind.items())},
-        "problems": [r for r in runs if r["outcome"] in ("wrong_load", "hang", "error")
+        "problems": [r for r in runs if r["outcome"] in ("wrong_load", "hang", "error", "startup_timeout")
                      or (r["outcome"] == "fell_back" and r["why"].endswith("unexplained"))],
     }
 
@@ -320,7 +339,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=len(KINDS), help=f"runs (default {len(KINDS)}: each kind once)")
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds one incarnation may take")
+    parser.add_argument("--timeout", type=float, default=120.0,
+                        help="seconds one incarnation may take once both ranks have their process group up")
+    parser.add_argument("--startup-timeout", type=float, default=600.0,
+                        help="seconds a rank may take to start (interpreter, imports, rendezvous)")
+    parser.add_argument("--startup-delay", type=json.loads, default={}, help=argparse.SUPPRESS)  # tests:
+    # {"<incarnation>": {"<rank>": seconds}}, a rank's start-up slowed as heavy load slows imports
     parser.add_argument("--manager-timeout", type=float, default=30.0, help="FLASHPOINT_MANAGER_TIMEOUT_S")
     parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated fault kinds to draw from")
     parser.add_argument("--ram-dir", default="/dev/shm", help="tmpfs for the nodes' base directories")
@@ -330,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="async saves on the NeMo IO's default persistent worker (up before training) or on a "
                              "worker forked per save (persistent_worker=False)")
     args = parser.parse_args(argv)
+    args.startup_delay = {int(inc): delays for inc, delays in args.startup_delay.items()}
     kinds = [k for k in args.kinds.split(",") if k]
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown:
@@ -351,9 +376,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(summary, indent=2))
     else:
         for key in ("runs", "recovered_newest", "fell_back", "fell_back_unexplained", "wrong_loads", "hangs",
-                    "errors", "skipped", "seconds"):
+                    "startup_timeouts", "errors", "skipped", "seconds"):
             print(f"{key:>24}: {summary[key]}")
-    return 1 if summary["wrong_loads"] or summary["hangs"] or summary["errors"] else 0
+    return 1 if summary["wrong_loads"] or summary["hangs"] or summary["errors"] or summary["startup_timeouts"] else 0
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # cpu_shims (a site package shadows `examples`)
 import cpu_shims  # noqa: E402
+from launch import init_process_group_reporting_start  # noqa: E402 - examples/launch.py
 
 cpu_shims.install_for_checkpointing()
 
@@ -301,11 +302,13 @@ def wait_for_worker(queue: AsyncCallsQueue) -> None:
 def main() -> None:
     global CURRENT_STEP
     p = json.loads(sys.argv[1])
-    faulthandler.dump_traceback_later(p.get("stack_dump_after_s", 100.0), exit=False)  # where a hang hangs, in the log
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the harness asks before it kills a stuck rank;
     # forked async-save workers inherit this, so a stuck worker prints its stack too
     logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(levelname)s %(name)s: %(message)s")
-    dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
+    time.sleep(p.get("startup_delay_s", {}).get(os.environ["RANK"], 0.0))  # a test's stand-in for slow imports
+    # The harness's hang budget counts from here: a slow start (imports, a peer still importing) is no hang.
+    init_process_group_reporting_start("gloo", COLLECTIVE_TIMEOUT)
+    faulthandler.dump_traceback_later(p.get("stack_dump_after_s", 100.0), exit=False)  # where a hang hangs, in the log
     rank = dist.get_rank()
     p["base"] = p["bases"][rank]
     model = Model(rank)

@@ -7,8 +7,8 @@
 // directory (component-wise openat with O_NOFOLLOW). The receiver writes into a hidden
 // temporary file next to the destination (a spare file renamed there when a spare directory
 // holds one, so its tmpfs pages are reused), checks length and CRC32C, fsyncs and only then
-// renames it into place. The wire format is described in transfer.cpp and docs of the
-// bindings; every length field is bounded and every wait has a timeout.
+// renames it into place. The wire format is described in docs/protocol.md; every length field
+// is bounded and every wait has a timeout.
 #pragma once
 
 #include <atomic>
@@ -25,7 +25,10 @@
 
 namespace flashpoint {
 
-class WarmMappingCache;  // transfer.cpp: mappings of received files, reused by later receptions
+class WarmMappingCache;  // transfer_warm.hpp: mappings of received files, reused by later receptions
+namespace xfer {
+class Channel;  // transfer_wire.hpp: one connection with bounded waits
+}
 
 // --- errors (the bindings map each to a Python exception class of the same name) ----------
 
@@ -155,7 +158,17 @@ class TransferServer {
   };
   void accept_loop();
   void worker_loop();
+  // One authenticated connection being served: its channel, socket, peer and "push of 'path'".
+  struct Connection {
+    xfer::Channel& ch;
+    int fd;
+    const std::string& peer;
+    std::string what;
+  };
   void handle(int fd, const std::string& peer);
+  void handle_push(const Connection& c, const std::string& path, uint64_t size);
+  void handle_fetch(const Connection& c, const std::string& path);
+  void refuse(const Connection& c, uint32_t status, const std::string& message);
   void record_error(const std::string& message);
 
   TransferServerConfig config_;
@@ -181,7 +194,7 @@ class TransferServer {
 
   std::atomic<uint64_t> accepted_{0}, rejected_busy_{0}, auth_failures_{0}, protocol_failures_{0},
       pushes_ok_{0}, fetches_ok_{0}, transfer_failures_{0}, bytes_received_{0}, bytes_sent_{0}, spares_taken_{0},
-      mappings_reused_{0};
+      mappings_reused_{0}, temp_files_swept_{0};
 };
 
 }  // namespace flashpoint

@@ -1,6 +1,11 @@
 """Start a script as N local rank processes with torchrun-style environment variables.
 
 Light on purpose (no torch, no NeMo): the parent process only starts and reaps ranks.
+
+Start-up (interpreter, imports, rendezvous) can be slow on a loaded machine and is not the
+work being timed: with startup_timeout, each rank reports when its process group is up
+(init_process_group_reporting_start) and the run's timeout counts from the moment every
+rank has.
 """
 
 from __future__ import annotations
@@ -10,8 +15,18 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from datetime import timedelta
+from pathlib import Path
 from typing import Sequence
+
+STARTED_FILE_ENV = "LAUNCH_STARTED_FILE"  # where a rank reports that its process group is up
+STARTUP_TIMEOUT_ENV = "LAUNCH_STARTUP_TIMEOUT_S"  # how long its rendezvous may wait for the other ranks
+
+
+class StartupTimeoutError(TimeoutError):
+    """Some rank did not get its process group up within the start-up bound (imports, rendezvous)."""
 
 
 def free_port() -> int:
@@ -22,7 +37,8 @@ def free_port() -> int:
 
 def launch_ranks(script: str, argv: Sequence[str], nproc: int = 2, timeout: float = 600.0,
                  env: dict[str, str] | None = None, log_dir: str | os.PathLike[str] | None = None,
-                 stop_on_failure: bool = False, stack_signal: int | None = None) -> int:
+                 stop_on_failure: bool = False, stack_signal: int | None = None,
+                 startup_timeout: float | None = None) -> int:
     """Run `script argv` as nproc ranks (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT set).
 
     Returns the worst exit code: negative if a rank was killed by a signal (-9 for SIGKILL);
@@ -35,13 +51,21 @@ def launch_ranks(script: str, argv: Sequence[str], nproc: int = 2, timeout: floa
     With stack_signal, ranks still running when they are ended (a failure or the timeout)
     first get that signal, with their helper processes, and 2 s to print their stacks
     (a rank that called faulthandler.register(stack_signal, all_threads=True) does).
+    With startup_timeout, timeout counts from when every rank reported its process group up
+    (init_process_group_reporting_start); a start-up longer than startup_timeout raises
+    StartupTimeoutError instead, so that a slow start is never taken for a hang.
     """
     port = free_port()
     procs = []
+    started_dir = Path(tempfile.mkdtemp(prefix="launch-started-")) if startup_timeout is not None else None
+    started_files = [started_dir / f"rank-{rank}" for rank in range(nproc)] if started_dir is not None else []
     for rank in range(nproc):
         rank_env = dict(os.environ if env is None else env, RANK=str(rank), LOCAL_RANK=str(rank),
                         WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
                         MASTER_PORT=str(port))
+        if started_files:
+            rank_env[STARTED_FILE_ENV] = str(started_files[rank])
+            rank_env[STARTUP_TIMEOUT_ENV] = str(startup_timeout)
         output = None
         if log_dir is not None:
             os.makedirs(log_dir, exist_ok=True)
@@ -51,17 +75,30 @@ def launch_ranks(script: str, argv: Sequence[str], nproc: int = 2, timeout: floa
                                       start_new_session=True))
         if output is not None:
             output.close()  # the child holds its own descriptor
-    deadline = time.time() + timeout
+    launched = time.monotonic()
+    deadline = None if started_files else launched + timeout
     codes: list[int | None] = [None] * nproc
     try:
         while None in codes:
             codes = [proc.poll() for proc in procs]
             if stop_on_failure and any(code for code in codes):
                 break
-            if None in codes and time.time() > deadline:
-                raise TimeoutError(f"{script} did not finish within {timeout:.0f} s; its ranks were killed")
+            now = time.monotonic()
+            if deadline is None and all(f.exists() for f in started_files):
+                deadline = now + timeout
+            if None in codes and deadline is None and now > launched + startup_timeout:  # type: ignore[operator]
+                late = [r for r, f in enumerate(started_files) if not f.exists()]
+                raise StartupTimeoutError(f"{script}: ranks {late} did not start (process group up) within "
+                                          f"{startup_timeout:.0f} s; its ranks were killed")
+            if None in codes and deadline is not None and now > deadline:
+                after = " after every rank started" if started_files else ""
+                raise TimeoutError(f"{script} did not finish within {timeout:.0f} s{after}; its ranks were killed")
             time.sleep(0.05)
     finally:
+        if started_dir is not None:
+            for f in started_files:
+                f.unlink(missing_ok=True)
+            started_dir.rmdir()
         if stack_signal is not None and _signal_running(procs, stack_signal):
             time.sleep(2.0)
         for proc in procs:
@@ -72,6 +109,26 @@ def launch_ranks(script: str, argv: Sequence[str], nproc: int = 2, timeout: floa
             proc.wait()
     finished = [code for code in codes if code is not None]
     return min(finished) if min(finished) < 0 else max(finished)
+
+
+def init_process_group_reporting_start(backend: str, timeout: timedelta) -> None:
+    """In a rank: join the process group, then report to launch_ranks that start-up is over.
+
+    The rendezvous waits up to the launcher's start-up bound for ranks still importing (a
+    store of our own, with that timeout); the group's collectives keep `timeout`.
+    """
+    import torch.distributed as dist
+
+    startup_s = float(os.environ.get(STARTUP_TIMEOUT_ENV, timeout.total_seconds()))
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, rank == 0,
+                          timedelta(seconds=max(startup_s, timeout.total_seconds())), wait_for_workers=True)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    dist.barrier()  # every rank is in the group
+    store.set_timeout(timeout)
+    started = os.environ.get(STARTED_FILE_ENV)
+    if started:
+        Path(started).touch()
 
 
 def _signal_running(procs: Sequence[subprocess.Popen], signum: int) -> bool:

@@ -82,3 +82,7 @@ class TrainerSetupError(FlashpointError):
 
 class ReplicationSecretError(FlashpointError):
     """The replication job secret is missing on some ranks, differs between ranks, or its file is unsafe."""
+
+
+class DurableDrainError(FlashpointError):
+    """A durable checkpoint could not be drained from RAM; the previous durable checkpoint is intact."""

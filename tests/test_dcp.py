@@ -161,6 +161,18 @@ def test_deprecated_save_state_dict_and_load_state_dict_keep_the_last_checkpoint
     assert committed_steps(CheckpointLayout(base_dir)) == [5]
 
 
+@pytest.mark.parametrize("refusing", [[0, 1], [1]], ids=["every_rank", "one_rank"])
+def test_overwrite_false_fails_on_every_rank_and_changes_nothing(base_dir, refusing):
+    """Two real ranks: the refusal (on every rank, or on rank 1 alone) reaches both ranks; no rank hangs."""
+    outputs = run_world("dcp_scenarios", "overwrite_refused_on_every_rank", 2,
+                        {"base": str(base_dir), "refusing": refusing}, timeout=120)
+    for out in outputs:
+        assert "REFUSED: CheckpointException" in out and "VersionExistsError" in out, out
+        assert "overwrite=False" in out, out
+        assert "FILES " in out and "FILES 0" not in out, out
+    assert committed_steps(CheckpointLayout(base_dir)) == [4]
+
+
 def failure_of_rank_0(save: Any) -> BaseException:
     with pytest.raises(CheckpointException) as info:
         dcp_without_process_group(save)

@@ -13,11 +13,18 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
+
+import pytest
 
 from tests.support.multiproc import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "examples"))
 from fault_campaign import KINDS  # noqa: E402
+from launch import StartupTimeoutError, launch_ranks  # noqa: E402
+
+SLOW_START_RANK = str(REPO / "tests" / "support" / "slow_start_rank.py")
 
 CI_KINDS = ("kill_write", "kill_commit", "kill_replicate", "kill_peer", "flip_commit", "flip_object", "manager_fail")
 
@@ -33,6 +40,7 @@ def test_every_fault_kind_recovers_without_wrong_load_or_hang():
     problems = json.dumps(summary["problems"], indent=1)[-16000:]
     assert summary["wrong_loads"] == 0, problems
     assert summary["hangs"] == 0, problems
+    assert summary["startup_timeouts"] == 0, problems  # the machine was too loaded to judge a run
     assert summary["errors"] == 0, problems
     assert summary["fell_back_unexplained"] == 0, problems
     assert result.returncode == 0, result.stderr[-4000:]
@@ -44,3 +52,38 @@ def test_every_fault_kind_recovers_without_wrong_load_or_hang():
     for kind in ("kill_write", "kill_commit", "kill_replicate", "flip_commit"):
         assert summary["by_kind"][kind] == {"recovered_newest": 1}, (kind, summary["by_kind"][kind])
     assert summary["by_kind"]["manager_fail"] == {"fell_back": 1}, summary["by_kind"]  # no RAM version exists
+
+
+# --- start-up is bounded on its own (issue 16 §3): a slow start is no hang, a hang after it still is ----
+
+
+def test_a_start_slower_than_the_run_budget_is_not_a_hang(tmp_path):
+    budget = 8.0  # far more than the run needs once started; less than rank 1's start-up
+    code = launch_ranks(SLOW_START_RANK, [json.dumps({"delay_s": {"1": budget + 4}})], timeout=budget,
+                        startup_timeout=120, log_dir=tmp_path)
+    assert code == 0
+    assert all("STARTED" in (tmp_path / f"rank-{r}.log").read_text() for r in range(2))
+    assert not list(tmp_path.glob("launch-started-*"))
+
+
+def test_without_the_start_up_bound_the_same_slow_start_counts_as_a_hang(tmp_path):
+    """The old behaviour, still that of launch_ranks without startup_timeout: what the campaign counted."""
+    with pytest.raises(TimeoutError) as info:
+        launch_ranks(SLOW_START_RANK, [json.dumps({"delay_s": {"1": 12}})], timeout=8, log_dir=tmp_path)
+    assert not isinstance(info.value, StartupTimeoutError)
+
+
+def test_a_hang_after_start_up_is_still_a_hang_within_the_run_budget(tmp_path):
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="after every rank started") as info:
+        launch_ranks(SLOW_START_RANK, [json.dumps({"delay_s": {"1": 6}, "hang_after_start": True})], timeout=5,
+                     startup_timeout=120, log_dir=tmp_path)
+    assert not isinstance(info.value, StartupTimeoutError)
+    assert time.monotonic() - started >= 6 + 5  # the budget counted from the start, not from the launch
+    assert all("STARTED" in (tmp_path / f"rank-{r}.log").read_text() for r in range(2))
+
+
+def test_a_start_up_past_its_own_bound_is_reported_as_such(tmp_path):
+    with pytest.raises(StartupTimeoutError, match=r"did not start \(process group up\) within 8 s"):
+        launch_ranks(SLOW_START_RANK, [json.dumps({"delay_s": {"1": 120}})], timeout=5, startup_timeout=8,
+                     log_dir=tmp_path)

@@ -29,3 +29,20 @@ def test_choose_version_agrees_on_no_version_when_one_rank_cannot_list_its_versi
                         timeout=DEADLINE_S)
     assert all("CHOSEN None" in out for out in outputs), outputs
     assert "cannot list its RAM checkpoint versions" in outputs[1], outputs[1]
+
+
+def test_async_save_fails_on_every_rank_when_one_rank_cannot_make_its_writer(base_dir):
+    outputs = run_world("megatron_scenarios", "writer_fails_on_one_rank", 2, {"base": str(base_dir)},
+                        timeout=DEADLINE_S + 60)
+    for out in outputs:
+        assert "SAVE FAILED: FlashpointError" in out and "rank 1: BaseDirError" in out and "step-02" in out, out
+        assert "previous version is intact" in out, out
+    assert "COMMITTED [1, 3]" in outputs[0] or "COMMITTED [3]" in outputs[0], outputs[0]
+
+
+def test_a_worker_that_cannot_be_inspected_on_one_rank_fails_its_save_everywhere(base_dir):
+    outputs = run_world("megatron_scenarios", "uninspectable_worker_fails_its_save_everywhere", 2,
+                        {"base": str(base_dir)}, timeout=DEADLINE_S + 90)
+    for out in outputs:
+        assert "OUTCOMES 1:ok 2:failed 3:ok" in out, out
+    assert "rank 1: its save worker cannot be inspected (ValueError" in outputs[0], outputs[0]

@@ -760,3 +760,89 @@ def test_kept_mappings_are_reused_and_never_pin_a_deleted_file(dirs, spare_serve
     assert mappings_under(base) == [str(base / "again.fpo")]
     spare_server.stop()  # and the server lets go of every mapping when it stops
     assert mappings_under(base) == []
+
+
+# --- hard links and stale temporary files ----------------------------------------------------
+
+
+def test_fetch_refuses_a_hard_linked_file(dirs, server):
+    """A hard link in the served tree may name a file from outside it: fetch serves none."""
+    base, client, sentinel = dirs
+    (base / "step-3").mkdir()
+    os.link(sentinel / "secret.txt", base / "step-3" / "rank-00000-0.fpo")
+    with pytest.raises(_core.TransferPathError, match="hard links"):
+        _core.transfer_fetch(HOST, server.port, SECRET, "step-3/rank-00000-0.fpo", client, retries=0)
+    assert not (client / "step-3").exists() and hidden_files(client) == []
+    assert (sentinel / "secret.txt").read_bytes() == b"do not touch"
+    # The same file, singly linked again, is served.
+    os.unlink(sentinel / "secret.txt")
+    _core.transfer_fetch(HOST, server.port, SECRET, "step-3/rank-00000-0.fpo", client, retries=0)
+    assert (client / "step-3" / "rank-00000-0.fpo").read_bytes() == b"do not touch"
+
+
+def _age(path: Path, seconds: float) -> None:
+    past = time.time() - seconds
+    os.utime(path, (past, past))
+
+
+def test_stale_temp_files_are_swept_when_the_server_starts(dirs):
+    """Temp files of receptions that died are removed at start; live, fresh and other files stay."""
+    import fcntl
+
+    base, _, _ = dirs
+    step = base / "step-5"
+    step.mkdir()
+    stale_top = base / ".xfer-0123456789abcdef.tmp"
+    stale_step = step / ".xfer-fedcba9876543210.tmp"
+    held = step / ".xfer-00000000000000aa.tmp"   # a live reception (of this process) holds it
+    fresh = step / ".xfer-00000000000000bb.tmp"  # just created: its lock may not be taken yet
+    others = [step / ".xfer-notatempname.tmp", step / "rank-00000-0.fpo", step / "COMMIT",
+              step / ".xfer-0123456789ABCDEF.tmp"]
+    for p in (stale_top, stale_step, held, fresh, *others):
+        p.write_bytes(b"x" * 100)
+    for p in (stale_top, stale_step, held, *others):
+        _age(p, 60)
+    deep = step / ".xfer-00000000000000cc.tmp"  # a directory with a temp name is not a file
+    deep.mkdir()
+    with open(held, "rb") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        with _core.TransferServer(base, SECRET, io_timeout_s=IO_TIMEOUT) as srv:
+            assert srv.stats()["temp_files_swept"] == 2
+    assert not stale_top.exists() and not stale_step.exists()
+    assert held.exists() and fresh.exists() and deep.is_dir()
+    assert all(p.read_bytes() == b"x" * 100 for p in others)
+
+
+def test_a_server_killed_mid_reception_leaves_a_temp_file_that_the_next_start_sweeps(dirs):
+    """The real case: the receiving process is SIGKILLed mid-push; its successor frees the space."""
+    base = dirs[0]
+    code = ("import sys, time; from ml_flashpoint_nemo import _core; "
+            "s = _core.TransferServer(sys.argv[1], bytes.fromhex(sys.argv[2]), io_timeout_s=60); "
+            "print(s.port, flush=True); time.sleep(600)")
+    server_proc = subprocess.Popen([sys.executable, "-c", code, str(base), SECRET.hex()], cwd=REPO,
+                                   stdout=subprocess.PIPE, text=True)
+    pusher = None
+    try:
+        port = int(server_proc.stdout.readline())
+        pusher = subprocess.Popen(
+            [sys.executable, "-m", "tests.support.transfer_peer", "push-half", HOST, str(port), SECRET.hex(),
+             "step-3/rank-00001-0.fpo", str(8 * MiB)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+        assert pusher.stdout.readline().strip() == "HALF"
+        deadline = time.monotonic() + 10
+        while not list(base.rglob(".xfer-*.tmp")) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        server_proc.send_signal(signal.SIGKILL)
+        server_proc.wait(10)
+    finally:
+        for proc in (server_proc, pusher):
+            if proc is not None:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                proc.stdout.close()
+    leftovers = list(base.rglob(".xfer-*.tmp"))
+    assert len(leftovers) == 1, leftovers
+    _age(leftovers[0], 60)
+    with _core.TransferServer(base, SECRET, io_timeout_s=IO_TIMEOUT) as srv:
+        assert srv.stats()["temp_files_swept"] == 1
+    assert list(base.rglob(".xfer-*.tmp")) == [] and not (base / "step-3" / "rank-00001-0.fpo").exists()

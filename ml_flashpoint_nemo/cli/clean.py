@@ -15,6 +15,7 @@ import argparse
 import os
 from typing import Any
 
+from ml_flashpoint_nemo.core.trees import tree_bytes
 from ml_flashpoint_nemo.core.versions import retire_version
 from ml_flashpoint_nemo.cli.common import (
     EXIT_BUSY,
@@ -30,14 +31,7 @@ from ml_flashpoint_nemo.cli.ls import allocated_bytes, scan_versions
 
 
 def _dir_bytes(path: Any) -> int:
-    total = 0
-    for root, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += allocated_bytes(os.lstat(os.path.join(root, name)))
-            except OSError:
-                pass
-    return total
+    return tree_bytes(path, allocated_bytes)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -5,6 +5,7 @@
     <base>/pool/replica-spares/spare-<hex>     files of retired replicas, overwritten by the next received one
     <base>/step-<N>/rank-<R:05d>-<i>.fpo       object i written by rank R for version N
     <base>/step-<N>/COMMIT                     commit record; without it version N does not exist
+    <base>/step-<N>/.drain-hold-<R>            rank R is copying version N to durable storage: not retired yet
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ COMMIT_NAME = "COMMIT"
 POOL_DIR = "pool"
 REPLICA_SPARES = f"{POOL_DIR}/replica-spares"  # relative to the base directory (the transfer server's form)
 OBJECT_SUFFIX = ".fpo"
+HOLD_PREFIX = ".drain-hold-"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _OBJECT_NAME = re.compile(r"^rank-(\d+)-(\d+)\.fpo$")
 _MEMORY_FILESYSTEMS = {"tmpfs", "ramfs", "hugetlbfs"}
@@ -77,6 +79,16 @@ class CheckpointLayout:
 
     def object_path(self, step: int, name: str) -> Path:
         return self.version_dir(step) / name
+
+    def hold_path(self, step: int, rank: int) -> Path:
+        """The file that keeps version `step` from being retired while rank `rank` drains it."""
+        return self.version_dir(step) / f"{HOLD_PREFIX}{rank}"
+
+    def is_held(self, step: int) -> bool:
+        try:
+            return any(name.startswith(HOLD_PREFIX) for name in os.listdir(self.version_dir(step)))
+        except FileNotFoundError:
+            return False
 
     def version_steps(self) -> list[int]:
         """Steps of every version directory, committed or not, oldest first."""

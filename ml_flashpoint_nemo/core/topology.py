@@ -63,12 +63,20 @@ def discover_nodes(base_dir: str | os.PathLike[str]) -> NodeTopology:
     return NodeTopology.from_identities(identities, dist.get_rank())
 
 
-def any_rank(flag: bool) -> bool:
-    """Collective: whether flag is true on any rank (one small all-reduce; on NCCL a CUDA tensor)."""
+def highest_of_every_rank(value: int) -> int:
+    """Collective: the largest of every rank's small int (one all-reduce; on NCCL a CUDA tensor).
+
+    Lets a rank fold "I failed" into a flag the ranks exchange anyway, at no extra collective.
+    """
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-    value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
+    reduced = torch.tensor([value], dtype=torch.int32, device=device)
+    dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
+    return int(reduced.item())
+
+
+def any_rank(flag: bool) -> bool:
+    """Collective: whether flag is true on any rank (one small all-reduce)."""
+    return bool(highest_of_every_rank(int(flag)))
 
 
 def problems_of_every_rank(problem: str | None) -> list[str]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import time
 import uuid
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from typing import Any, Iterable, Sequence
 from ml_flashpoint_nemo.core.format import CommitRecord, ObjectRecord
 from ml_flashpoint_nemo.core.layout import COMMIT_NAME, CheckpointLayout, rank_of_object
 from ml_flashpoint_nemo.core.pool import BufferPool, raise_if_out_of_space
+from ml_flashpoint_nemo.core.trees import remove_tree
 from ml_flashpoint_nemo.errors import CorruptCheckpointError, FormatVersionError, VersionNotFoundError
 
 logger = logging.getLogger(__name__)
@@ -131,21 +131,21 @@ def retire_version(layout: CheckpointLayout, step: int, *, rank: int | None, poo
         owner = rank_of_object(name)
         path = directory / name
         if owner is None:
-            path.unlink(missing_ok=True)
+            remove_tree(path)  # a file, or whatever a peer or a crash left (a directory, a deep tree)
         elif rank is None or owner == rank or (world_size is not None and owner >= world_size):
-            if pool is not None and owner == pool.rank:
+            if pool is not None and owner == pool.rank and not path.is_dir():
                 pool.recycle(path)
             else:
                 if pool is not None:
                     pool.forget(path)
-                path.unlink(missing_ok=True)
+                remove_tree(path)
     try:
         directory.rmdir()
     except FileNotFoundError:
         pass
     except OSError:
         if rank is None:
-            shutil.rmtree(directory, ignore_errors=True)
+            remove_tree(directory)
         # otherwise other ranks' objects are still there; the last rank removes the directory
 
 
@@ -162,7 +162,8 @@ def delete_superseded(
 ) -> list[int]:
     """Retire all but the newest `keep` committed versions, and uncommitted leftovers older than the newest.
 
-    Uncommitted versions newer than the newest committed one may still be being written and are left alone.
+    Uncommitted versions newer than the newest committed one may still be being written and are left alone,
+    and so are held versions (a durable drain is reading them; it releases the hold when done).
     Returns the steps retired.
     """
     if keep < 1:
@@ -173,7 +174,7 @@ def delete_superseded(
         return []
     survivors = set(committed[-keep:])
     newest = committed[-1]
-    retired = [s for s in layout.version_steps() if s not in survivors and s < newest]
+    retired = [s for s in layout.version_steps() if s not in survivors and s < newest and not layout.is_held(s)]
     for step in retired:
         retire_version(layout, step, rank=rank, pool=pool, world_size=world_size)
     if retired:

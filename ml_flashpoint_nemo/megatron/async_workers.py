@@ -202,7 +202,10 @@ def _end_process(process: Any, *, kill: bool, grace_s: float) -> int:
     """Join (after SIGKILL if `kill`) and release a multiprocessing process; 1 if it was still running."""
     if process is None:
         return 0
-    running = process.is_alive()
+    try:
+        running = process.is_alive()
+    except ValueError:  # its process object was closed already: nothing is left to end or release
+        return 0
     if running and kill:
         process.kill()
     process.join(grace_s)

@@ -69,8 +69,8 @@ from ml_flashpoint_nemo.core.manager import (
 from ml_flashpoint_nemo.core.saver import StagedObject
 from ml_flashpoint_nemo.core.topology import (
     NodeTopology,
-    any_rank,
     discover_nodes,
+    highest_of_every_rank,
     node_identity,
     problems_of_every_rank,
 )
@@ -95,6 +95,7 @@ logger = logging.getLogger(__name__)
 
 BACKEND = "ml_flashpoint"
 VERSION = 1
+_SAVE_CANNOT_START = 2  # above "the structure changed" (1) in the all-reduce of every save
 
 
 def _split_checkpoint_dir(checkpoint_dir: str | os.PathLike[str]) -> tuple[CheckpointLayout, str]:
@@ -194,16 +195,35 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         self._close_lock = threading.Lock()
         self._base_dirs: set[Path] = set()  # whose buffer pools this strategy's saves opened in this process
 
-    def _structure_unchanged_on_every_rank(self, sharded_state_dict: ShardedStateDict, base_dir: Path) -> bool:
+    def _structure_unchanged_on_every_rank(self, sharded_state_dict: ShardedStateDict, writer: "_StagingWriter | str",
+                                           checkpoint_dir: str | Path) -> bool:
         """True when no rank's keys, shapes, dtypes, sharding or base directory changed since the last save.
 
         Checked every save (a hash per rank and one small all-reduce); only then is the last
-        save's plan reused, which skips the planning collectives.
+        save's plan reused, which skips the planning collectives. writer is this rank's writer, or
+        why it could not be made: the same all-reduce carries that, so that every rank raises.
         """
-        signature = hash((node_identity(base_dir), tuple(_describe(v) for v in nested_values(sharded_state_dict))))
-        changed = self._cached_plans is None or signature != self._signature
-        self._signature = signature
-        return not any_rank(changed)
+        problem = writer if isinstance(writer, str) else None
+        if problem is None:
+            try:
+                signature = hash((node_identity(writer.layout.base_dir),
+                                  tuple(_describe(v) for v in nested_values(sharded_state_dict))))
+            except Exception as exc:  # noqa: BLE001 - shared with every rank below
+                problem = f"rank {dist.get_rank()}: describing the state failed: {type(exc).__name__}: {exc}"
+        if problem is not None:
+            self._cached_plans = None  # whatever this save leaves, the next one plans afresh
+            flag = _SAVE_CANNOT_START
+        else:
+            changed = self._cached_plans is None or signature != self._signature
+            self._signature = signature
+            flag = int(changed)
+        highest = highest_of_every_rank(flag)
+        if highest < _SAVE_CANNOT_START:
+            return highest == 0
+        failed = problems_of_every_rank(problem)
+        self._cached_plans = None
+        raise FlashpointError(f"the flashpoint save to {os.fspath(checkpoint_dir)} cannot start; nothing was "
+                              "written and the previous version is intact: " + "; ".join(failed))
 
     def _reports_agreed_by_all_ranks(self) -> WorkerReports:
         """Background-write outcomes (a Manager queue); at the first save, all ranks agree the Manager runs."""
@@ -228,9 +248,10 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         reports = self._reports_agreed_by_all_ranks()
         # Only main replicas are written (as Megatron's torch_dist does): replicated tensors once per job.
         sharded_state_dict, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, True)
-        writer = _StagingWriter(checkpoint_dir, keep=self.keep, checksum=self.checksum, threads=self.threads)
+        writer = self._writer_or_problem(checkpoint_dir)
+        reuse_plan = self._structure_unchanged_on_every_rank(sharded_state_dict, writer, checkpoint_dir)
+        assert isinstance(writer, _StagingWriter), "a problem was raised on every rank above"
         self._base_dirs.add(writer.layout.base_dir)
-        reuse_plan = self._structure_unchanged_on_every_rank(sharded_state_dict, writer.layout.base_dir)
         if not reuse_plan or self._nodes is None:
             self._nodes = _NodeCopies.discover(writer.layout.base_dir, self._nodes)
         nodes = self._nodes
@@ -263,6 +284,14 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         token = writer.save_id  # unique to this save; the object's path is not (pool buffers are reused)
         return AsyncRequest(seal_and_report, (writer.staged.seal_job, self.threads, reports.queue, token, os.getpid()),
                             [finalize])
+
+    def _writer_or_problem(self, checkpoint_dir: str | Path) -> "_StagingWriter | str":
+        """This save's writer, or why this rank cannot make one (raised on every rank by the next all-reduce)."""
+        try:
+            return _StagingWriter(checkpoint_dir, keep=self.keep, checksum=self.checksum, threads=self.threads)
+        except Exception as exc:  # noqa: BLE001 - shared with every rank by _structure_unchanged_on_every_rank
+            logger.debug("flashpoint writer for %s failed on rank %d", checkpoint_dir, dist.get_rank(), exc_info=True)
+            return f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"
 
     def _replication_service(self, base_dir: Path, topology: NodeTopology) -> Any:
         """The replication service, started (collectively, on several nodes) at the first save."""

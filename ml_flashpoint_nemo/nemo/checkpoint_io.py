@@ -234,13 +234,7 @@ class FlashpointCheckpointIO(AsyncFinalizableCheckpointIO):
 
         The next save starts a new worker.
         """
-        problem = dead_persistent_worker(self.flashpoint_queue) if self.flashpoint_queue.persistent else None
-        if problem is None and self._pending:
-            step, scheduled = self._pending[0]
-            age = time.monotonic() - scheduled
-            if age > self.settings.worker_timeout_s:
-                problem = (f"the background write of step {step} is not done after {age:.0f} s (worker_timeout_s="
-                           f"{self.settings.worker_timeout_s:g}; a hung worker?)")
+        problem = self._stuck_save_problem()
         if not any_rank(problem is not None):
             return False
         failed = problems_of_every_rank(problem and f"rank {dist.get_rank()}: {problem}")
@@ -255,6 +249,21 @@ class FlashpointCheckpointIO(AsyncFinalizableCheckpointIO):
             self._report_failure(step, "; ".join(failed) + ". The unfinished saves are dropped and their workers "
                                  "stopped; the next save starts a new worker")
         return True
+
+    def _stuck_save_problem(self) -> str | None:
+        """Why this rank's saves in flight cannot finish (None: they can); never raises, the ranks decide together."""
+        try:
+            problem = dead_persistent_worker(self.flashpoint_queue) if self.flashpoint_queue.persistent else None
+            if problem is None and self._pending:
+                step, scheduled = self._pending[0]
+                age = time.monotonic() - scheduled
+                if age > self.settings.worker_timeout_s:
+                    problem = (f"the background write of step {step} is not done after {age:.0f} s "
+                               f"(worker_timeout_s={self.settings.worker_timeout_s:g}; a hung worker?)")
+        except Exception as exc:  # noqa: BLE001 - a worker this rank cannot inspect is treated as stuck, on every rank
+            logger.debug("inspecting the flashpoint save worker failed", exc_info=True)
+            problem = f"its save worker cannot be inspected ({type(exc).__name__}: {exc})"
+        return problem
 
     def _fail_oldest(self, exc: FlashpointError) -> None:
         """Megatron raised from the oldest save's finalize (and dropped it from its queue)."""

@@ -194,7 +194,39 @@ def empty_states_round_trip(p: dict[str, Any]) -> None:
     writer.close()
 
 
+def version_bytes(base: str, step: int) -> dict[str, bytes]:
+    """Every file of a version and its bytes: what "nothing changed" compares."""
+    root = os.path.join(base, f"step-{step}")
+    found = {}
+    for directory, _, names in os.walk(root):
+        for name in names:
+            path = os.path.join(directory, name)
+            with open(path, "rb") as f:
+                found[os.path.relpath(path, root)] = f.read()
+    return found
+
+
+def overwrite_refused_on_every_rank(p: dict[str, Any]) -> None:
+    """Step 4 is committed; a second save to it with overwrite=False on p["refusing"] ranks must fail on all."""
+    writer = MemoryStorageWriter(p["base"], overwrite=False)
+    dcp.save(make_state(4), checkpoint_id=checkpoint_id(p["base"], 4), storage_writer=writer)
+    dist.barrier()
+    before = version_bytes(p["base"], 4)
+    refusing = dist.get_rank() in p["refusing"]
+    again = writer if refusing else MemoryStorageWriter(p["base"], overwrite=True)
+    expect_failure(lambda: dcp.save(make_state(5), checkpoint_id=checkpoint_id(p["base"], 4), storage_writer=again),
+                   "REFUSED")
+    dist.barrier()  # no rank is left behind in a collective of the refused save
+    assert version_bytes(p["base"], 4) == before, "the refused save changed the committed version"
+    loaded = empty_like_state(make_state(4))
+    dcp.load(loaded, checkpoint_id=checkpoint_id(p["base"], 4), storage_reader=MemoryStorageReader(p["base"]))
+    assert_same(make_state(4), loaded)
+    print(f"FILES {len(before)}", flush=True)
+    for w in {id(writer): writer, id(again): again}.values():
+        w.close()
+
+
 if __name__ == "__main__":
     scenario_main({f.__name__: f for f in (sync_roundtrip, async_roundtrip, save_only, load_resharded,
                                            load_wrong_shape, load_expect_failure, save_fails_then_previous_loads,
-                                           empty_states_round_trip)})
+                                           empty_states_round_trip, overwrite_refused_on_every_rank)})

@@ -351,6 +351,45 @@ def dead_persistent_worker_drops_its_saves_everywhere(p: dict[str, Any]) -> None
     close_and_report(io, p, loaded_step=3)
 
 
+def writer_fails_on_one_rank(p: dict[str, Any]) -> None:
+    """Rank 1 names step 2 "step-02", which no writer accepts: async_save must fail on both ranks (issue 13 §3)."""
+    strategy = save_strategy(p)
+    queue = AsyncCallsQueue(persistent=False)
+    save(p, 1, queue, strategy)
+    bad = os.path.join(p["base"], "step-02" if dist.get_rank() == 1 else "step-2")
+    Path(bad).mkdir(parents=True, exist_ok=True)
+    expect_failure(lambda: dist_checkpointing.save(sharded_state(2), bad, sharded_strategy=strategy,
+                                                   async_sharded_save=True), "SAVE FAILED")
+    dist.barrier()
+    check_loaded(load(p, 1), 1)  # nothing lost
+    save(p, 3, queue, strategy)  # and the next save plans afresh and commits
+    check_loaded(load(p, 3), 3)
+    print("COMMITTED", committed_steps(CheckpointLayout(p["base"])), flush=True)
+    queue.close()
+    strategy.close()
+
+
+def uninspectable_worker_fails_its_save_everywhere(p: dict[str, Any]) -> None:
+    """Rank 1's persistent worker is killed and its process object closed, so that asking it anything
+    raises on rank 1 alone: the save in flight must fail on every rank, and the next one commit."""
+    io = nemo_io(p, persistent_worker=True)
+    io.start_worker()
+    assert io.flashpoint_queue.worker_ready(timeout=120), "the persistent worker did not come up"
+    dist.barrier()
+    save_through(io, p, 1)
+    io.finalize_flashpoint(blocking=True)
+    if dist.get_rank() == 1:
+        worker = io.flashpoint_queue.persistent_caller.process
+        worker.kill()
+        worker.join(10)
+        worker.close()  # from now on is_alive() and exitcode raise ValueError
+    dist.barrier()
+    save_through(io, p, 2)
+    io.finalize_flashpoint(blocking=True)
+    save_through(io, p, 3)
+    close_and_report(io, p, loaded_step=3)
+
+
 def node_base(p: dict[str, Any]) -> str:
     """Base directory of this rank's "node": ranks_per_node consecutive ranks share one."""
     return p["bases"][dist.get_rank() // p["ranks_per_node"]]
@@ -440,4 +479,6 @@ if __name__ == "__main__":
                                            saves_fork_until_the_persistent_worker_is_up,
                                            worker_dead_while_booting_leaves_saves_to_forks,
                                            hung_worker_fails_its_save_within_the_timeout,
-                                           only_common_state_round_trips_as_with_torch_dist)})
+                                           only_common_state_round_trips_as_with_torch_dist,
+                                           writer_fails_on_one_rank,
+                                           uninspectable_worker_fails_its_save_everywhere)})

@@ -1,4 +1,4 @@
-"""A second, independent implementation of the transfer protocol (csrc/transfer.cpp), in Python.
+"""A second, independent implementation of the transfer protocol (docs/protocol.md; C++ in csrc/transfer_wire.cpp), in Python.
 
 Tests use it to play peers the C++ code must not trust: one that corrupts a byte but sends the
 CRC32C of the original data, one that sends half an object and stalls or dies, one that sends

@@ -1,0 +1,314 @@
+// Python bindings of the transfer service: TransferServer, push/fetch and the transfer errors.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <vector>
+
+#include "bindings_common.hpp"
+#include "sha256.hpp"
+#include "transfer.hpp"
+
+namespace flashpoint {
+namespace bindings {
+namespace {
+
+// The Python classes of the transfer errors, most derived first (set once at import).
+struct TransferErrorClass {
+  PyObject* type;
+  bool (*matches)(const TransferError&);
+};
+template <typename T>
+bool is_a(const TransferError& e) {
+  return dynamic_cast<const T*>(&e) != nullptr;
+}
+std::vector<TransferErrorClass>& transfer_error_classes() {
+  static std::vector<TransferErrorClass> classes;
+  return classes;
+}
+
+// Raises a transfer error as its Python class with the message made printable_text.
+void translate_transfer_error(std::exception_ptr p) {
+  try {
+    if (p) std::rethrow_exception(p);
+  } catch (const TransferError& e) {
+    for (const TransferErrorClass& c : transfer_error_classes()) {
+      if (c.matches(e)) {
+        PyErr_SetString(c.type, printable_text(e.what()).c_str());
+        return;
+      }
+    }
+    throw;
+  }
+}
+
+std::string fspath(const py::object& path) {
+  return py::module_::import("os").attr("fspath")(path).cast<std::string>();
+}
+
+std::string buffer_bytes(const py::buffer& data) {
+  py::buffer_info info = request_readable(data);
+  return std::string(static_cast<const char*>(info.ptr), static_cast<size_t>(info.size * info.itemsize));
+}
+
+TransferOptions transfer_options(double connect_timeout_s, double io_timeout_s, int retries, double backoff_s,
+                                 bool zero_copy, uint64_t max_object_bytes) {
+  TransferOptions o;
+  o.connect_timeout_s = connect_timeout_s;
+  o.io_timeout_s = io_timeout_s;
+  o.retries = retries;
+  o.backoff_s = backoff_s;
+  o.zero_copy = zero_copy;
+  o.max_object_bytes = max_object_bytes;
+  return o;
+}
+
+// A known CRC32C passed from Python (None: the sender computes it while sending).
+void set_known_crc(TransferOptions& o, const py::object& crc) {
+  if (crc.is_none()) return;
+  const long long value = crc.cast<long long>();
+  if (value < 0 || value > 0xFFFFFFFFLL) throw std::invalid_argument("crc32c must be in 0..2**32-1 or None");
+  o.has_known_crc = true;
+  o.known_crc = static_cast<uint32_t>(value);
+}
+
+std::string optional_relative_path(const py::object& path) {
+  if (path.is_none()) return std::string();
+  const std::string p = fspath(path);
+  split_relative_path(p);  // TransferPathError (a ValueError) naming it
+  return p;
+}
+
+py::dict transfer_result(const TransferResult& r) {
+  py::dict d;
+  d["nbytes"] = r.nbytes;
+  d["crc32c"] = r.crc32c;
+  d["attempts"] = r.attempts;
+  d["seconds"] = r.seconds;
+  return d;
+}
+
+}  // namespace
+
+void register_transfer(py::module_& m) {
+  // Registered base first: pybind11 tries the newest translator first, so subclasses win.
+  auto& transfer_error = py::register_exception<TransferError>(m, "TransferError", PyExc_OSError);
+  transfer_error.doc() =
+      "A transfer failed (client operations: after the last retry). Subclass of OSError.";
+  auto& auth_error = py::register_exception<TransferAuthError>(m, "TransferAuthError", transfer_error);
+  auth_error.doc() = "The peer failed the HMAC-SHA256 handshake (wrong job secret). Never retried.";
+  py::tuple timeout_bases = py::make_tuple(transfer_error, py::handle(PyExc_TimeoutError));
+  py::register_exception<TransferTimeoutError>(m, "TransferTimeoutError", timeout_bases).doc() =
+      "Connect, send or receive ran past its timeout (after the last retry). Also a TimeoutError.";
+  py::register_exception<TransferChecksumError>(m, "TransferChecksumError", transfer_error).doc() =
+      "Length or CRC32C of the received bytes did not match the sender's; nothing was renamed into place.";
+  auto& refused = py::register_exception<TransferRefusedError>(m, "TransferRefusedError", transfer_error);
+  refused.doc() = "The peer refused the request (too large, I/O error on its side, ...). Never retried.";
+  py::register_exception<TransferNotFoundError>(m, "TransferNotFoundError", refused).doc() =
+      "The requested object does not exist on the serving peer.";
+  py::tuple path_bases = py::make_tuple(refused, py::handle(PyExc_ValueError));
+  py::register_exception<TransferPathError>(m, "TransferPathError", path_bases).doc() =
+      "An object path was refused (absolute, '..', empty component, NUL, too long, or resolving through a "
+      "symlink / non-directory). Also a ValueError; the message names the path.";
+  // Registered last, so it is tried first: the same classes, with the message escaped.
+  transfer_error_classes() = {
+      {m.attr("TransferPathError").ptr(), is_a<TransferPathError>},
+      {m.attr("TransferNotFoundError").ptr(), is_a<TransferNotFoundError>},
+      {m.attr("TransferRefusedError").ptr(), is_a<TransferRefusedError>},
+      {m.attr("TransferChecksumError").ptr(), is_a<TransferChecksumError>},
+      {m.attr("TransferTimeoutError").ptr(), is_a<TransferTimeoutError>},
+      {m.attr("TransferAuthError").ptr(), is_a<TransferAuthError>},
+      {m.attr("TransferError").ptr(), is_a<TransferError>},
+  };
+  py::register_exception_translator(translate_transfer_error);
+
+  m.def(
+      "sha256", [](const py::buffer& data) {
+        py::buffer_info info = request_readable(data);
+        Digest256 d;
+        {
+          py::gil_scoped_release release;
+          d = sha256(info.ptr, static_cast<size_t>(info.size * info.itemsize));
+        }
+        return py::bytes(reinterpret_cast<const char*>(d.data()), d.size());
+      },
+      py::arg("data"), "SHA-256 (FIPS 180-4) digest of a bytes-like object (32 bytes).");
+  m.def(
+      "hmac_sha256", [](const py::buffer& key, const py::buffer& msg) {
+        const std::string k = buffer_bytes(key), d = buffer_bytes(msg);
+        const Digest256 mac = hmac_sha256(k.data(), k.size(), d.data(), d.size());
+        return py::bytes(reinterpret_cast<const char*>(mac.data()), mac.size());
+      },
+      py::arg("key"), py::arg("msg"), "HMAC-SHA256 (RFC 2104) of msg under key (32 bytes).");
+
+  constexpr uint64_t kDefaultMax = kTransferDefaultMaxObjectBytes;
+  m.def(
+      "transfer_push",
+      [](const std::string& host, int port, const py::bytes& secret, const py::object& local_base_dir,
+         const std::string& path, const py::object& remote_path, double connect_timeout_s, double io_timeout_s,
+         int retries, double backoff_s, bool zero_copy, const py::object& crc32c) {
+        const std::string base = fspath(local_base_dir);
+        const std::string remote = remote_path.is_none() ? std::string() : remote_path.cast<std::string>();
+        if (!remote_path.is_none()) split_relative_path(remote);  // an explicit "" is refused, not defaulted
+        const std::string key = secret;
+        TransferOptions o = transfer_options(connect_timeout_s, io_timeout_s, retries, backoff_s, zero_copy, kDefaultMax);
+        set_known_crc(o, crc32c);
+        TransferResult r;
+        {
+          py::gil_scoped_release release;
+          r = transfer_push_path(host, port, key, base, path, remote, o);
+        }
+        return transfer_result(r);
+      },
+      py::arg("host"), py::arg("port"), py::arg("secret"), py::arg("local_base_dir"), py::arg("path"),
+      py::arg("remote_path") = py::none(), py::kw_only(), py::arg("connect_timeout_s") = 5.0,
+      py::arg("io_timeout_s") = 30.0, py::arg("retries") = 3, py::arg("backoff_s") = 0.2,
+      py::arg("zero_copy") = true, py::arg("crc32c") = py::none(),
+      "Push local_base_dir/path to a TransferServer as remote_path (default: path).\n\n"
+      "Both paths are relative and confined (no absolute path, '..', empty component, NUL, symlink).\n"
+      "The server stores the object atomically (hidden temp file, CRC32C + length check, fsync, rename).\n"
+      "Connect failures, timeouts, lost connections and checksum mismatches are retried `retries` times,\n"
+      "sleeping backoff_s * 2**i before retry i; authentication failures and refusals are not.\n"
+      "zero_copy=True sends with sendfile() (each chunk is pread and CRC'd first), else with send().\n"
+      "crc32c: the CRC32C of the bytes being sent when the caller knows it (e.g. from the object's\n"
+      "index): the data is then only sendfile()d, never read here; the receiver still checks the bytes\n"
+      "against it and refuses them (TransferChecksumError, nothing stored) when they differ.\n"
+      "Returns {'nbytes', 'crc32c', 'attempts', 'seconds'}. Raises TransferAuthError, TransferPathError\n"
+      "(also ValueError), TransferNotFoundError, TransferRefusedError, TransferChecksumError,\n"
+      "TransferTimeoutError (also TimeoutError), TransferError (base, an OSError); ValueError for bad\n"
+      "arguments (secret under 16 bytes, bad port, timeouts <= 0); OSError for local file errors.");
+  m.def(
+      "transfer_push_fd",
+      [](const std::string& host, int port, const py::bytes& secret, int fd, const std::string& remote_path,
+         uint64_t offset, const py::object& length, double connect_timeout_s, double io_timeout_s, int retries,
+         double backoff_s, bool zero_copy, const py::object& crc32c) {
+        const std::string key = secret;
+        const uint64_t n = length.is_none() ? UINT64_MAX : length.cast<uint64_t>();
+        TransferOptions o = transfer_options(connect_timeout_s, io_timeout_s, retries, backoff_s, zero_copy, kDefaultMax);
+        set_known_crc(o, crc32c);
+        TransferResult r;
+        {
+          py::gil_scoped_release release;
+          r = transfer_push_fd(host, port, key, fd, offset, n, remote_path, o);
+        }
+        return transfer_result(r);
+      },
+      py::arg("host"), py::arg("port"), py::arg("secret"), py::arg("fd"), py::arg("remote_path"), py::kw_only(),
+      py::arg("offset") = 0, py::arg("length") = py::none(), py::arg("connect_timeout_s") = 5.0,
+      py::arg("io_timeout_s") = 30.0, py::arg("retries") = 3, py::arg("backoff_s") = 0.2,
+      py::arg("zero_copy") = true, py::arg("crc32c") = py::none(),
+      "Like transfer_push, but sends bytes [offset, offset+length) of an open regular file (length None:\n"
+      "to the end). The file position is not used or changed. crc32c, when given, is the CRC32C of\n"
+      "exactly those bytes.");
+  m.def(
+      "transfer_fetch",
+      [](const std::string& host, int port, const py::bytes& secret, const std::string& remote_path,
+         const py::object& local_base_dir, const py::object& local_path, double connect_timeout_s,
+         double io_timeout_s, int retries, double backoff_s, uint64_t max_object_bytes, const py::object& spare_dir) {
+        const std::string base = fspath(local_base_dir);
+        const std::string local = local_path.is_none() ? std::string() : local_path.cast<std::string>();
+        if (!local_path.is_none()) split_relative_path(local);  // an explicit "" is refused, not defaulted
+        const std::string key = secret;
+        TransferOptions o = transfer_options(connect_timeout_s, io_timeout_s, retries, backoff_s, true, max_object_bytes);
+        o.spare_dir = optional_relative_path(spare_dir);
+        TransferResult r;
+        {
+          py::gil_scoped_release release;
+          r = transfer_fetch(host, port, key, remote_path, base, local, o);
+        }
+        return transfer_result(r);
+      },
+      py::arg("host"), py::arg("port"), py::arg("secret"), py::arg("remote_path"), py::arg("local_base_dir"),
+      py::arg("local_path") = py::none(), py::kw_only(), py::arg("connect_timeout_s") = 5.0,
+      py::arg("io_timeout_s") = 30.0, py::arg("retries") = 3, py::arg("backoff_s") = 0.2,
+      py::arg("max_object_bytes") = kDefaultMax, py::arg("spare_dir") = py::none(),
+      "Fetch remote_path from a TransferServer into local_base_dir/local_path (default: remote_path).\n\n"
+      "Missing parent directories are created inside local_base_dir. The object is received into a hidden\n"
+      "temp file, checked (length, CRC32C), fsynced and renamed into place only if it matches. Retries and\n"
+      "errors as transfer_push; objects over max_object_bytes are refused. spare_dir (relative to\n"
+      "local_base_dir, same file system): a directory of spare files; the temp file is one of them when\n"
+      "there is one (renamed, resized, overwritten), so the data lands on tmpfs pages that already exist.");
+  m.def(
+      "raw_tcp_throughput",
+      [](uint64_t nbytes, size_t chunk_bytes) {
+        double seconds;
+        {
+          py::gil_scoped_release release;
+          seconds = raw_tcp_seconds(nbytes, chunk_bytes);
+        }
+        py::dict d;
+        d["nbytes"] = nbytes;
+        d["seconds"] = seconds;
+        d["bytes_per_s"] = seconds > 0 ? double(nbytes) / seconds : 0.0;
+        return d;
+      },
+      py::arg("nbytes"), py::arg("chunk_bytes") = size_t(256) << 10,
+      "Benchmark baseline: a plain C++ send()/recv() loop of nbytes over loopback between two threads.");
+
+  py::class_<TransferServer>(m, "TransferServer",
+                             "Serves PUSH and FETCH of checkpoint objects under base_dir to authenticated peers.\n\n"
+                             "max_connections worker threads (plus one accept thread) serve connections; up to\n"
+                             "max_pending more wait in a queue, beyond that they are closed at once. The handshake\n"
+                             "and request must arrive within io_timeout_s, then every wait is bounded by it.\n"
+                             "Errors inside the service threads are kept (last 1000) for errors(). Use as a\n"
+                             "context manager or call stop().\n\n"
+                             "spare_dir (relative to base_dir, same file system): a directory of spare files, e.g.\n"
+                             "retired replicas. A push takes one (the smallest that holds the object, else the\n"
+                             "largest) by renaming it to its temp name, resizes and overwrites it, so the data lands\n"
+                             "on tmpfs pages that already exist. Entries that are not plain singly linked files are\n"
+                             "ignored; a missing directory means no spares.")
+      .def(py::init([](const py::object& base_dir, const py::bytes& secret, const std::string& host, int port,
+                       int max_connections, double io_timeout_s, uint64_t max_object_bytes, int max_pending,
+                       const py::object& spare_dir) {
+             TransferServerConfig c;
+             c.base_dir = fspath(base_dir);
+             c.secret = secret;
+             c.host = host;
+             c.port = port;
+             c.max_connections = max_connections;
+             c.io_timeout_s = io_timeout_s;
+             c.max_object_bytes = max_object_bytes;
+             c.max_pending = max_pending;
+             c.spare_dir = optional_relative_path(spare_dir);
+             py::gil_scoped_release release;
+             return std::unique_ptr<TransferServer>(new TransferServer(c));
+           }),
+           py::arg("base_dir"), py::arg("secret"), py::arg("host") = "127.0.0.1", py::arg("port") = 0,
+           py::arg("max_connections") = 4, py::arg("io_timeout_s") = 30.0, py::arg("max_object_bytes") = kDefaultMax,
+           py::arg("max_pending") = 0, py::arg("spare_dir") = py::none())
+      .def_property_readonly("port", &TransferServer::port, "The bound TCP port.")
+      .def_property_readonly("host", &TransferServer::host)
+      .def_property_readonly("running", &TransferServer::running)
+      .def(
+          "stop",
+          [](TransferServer& self) {
+            py::gil_scoped_release release;
+            self.stop();
+          },
+          "Close the listener and every connection and join every thread. Idempotent.")
+      .def(
+          "errors",
+          [](TransferServer& self) {
+            std::vector<std::string> errors = self.take_errors();
+            for (std::string& e : errors) e = printable_text(e);
+            return errors;
+          },
+          "Errors raised inside the service threads since the last call, as strings (then cleared). Bytes\n"
+          "outside printable ASCII (peers choose names and messages) appear as \\xNN.")
+      .def("stats", &TransferServer::stats,
+           "Counters: accepted, rejected_busy, auth_failures, ..., spares_taken (pushes received into a spare\n"
+           "file), mappings_reused (of those, written through a mapping kept from an earlier reception).")
+      .def("__enter__", [](py::object self) { return self; })
+      .def("__exit__",
+           [](TransferServer& self, const py::args&) {
+             py::gil_scoped_release release;
+             self.stop();
+             return false;
+           })
+      .def("__repr__", [](const TransferServer& self) {
+        return "<TransferServer " + self.host() + ":" + std::to_string(self.port()) +
+               (self.running() ? ">" : " stopped>");
+      });
+}
+
+}  // namespace bindings
+}  // namespace flashpoint

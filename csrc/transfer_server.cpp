@@ -1,0 +1,411 @@
+// Server side of the transfer service: accept loop, workers, push and fetch handlers.
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+
+#include "transfer.hpp"
+#include "transfer_paths.hpp"
+#include "transfer_stream.hpp"
+#include "transfer_warm.hpp"
+#include "transfer_wire.hpp"
+
+namespace flashpoint {
+
+using namespace xfer;
+
+// --- server -------------------------------------------------------------------------------
+
+TransferServer::TransferServer(const TransferServerConfig& config) : config_(config) {
+  if (config_.secret.size() < kTransferMinSecretBytes)
+    throw std::invalid_argument("secret must be at least " + std::to_string(kTransferMinSecretBytes) + " bytes");
+  if (config_.max_connections < 1 || config_.max_connections > 1024)
+    throw std::invalid_argument("max_connections must be in 1..1024");
+  if (config_.max_pending < 0 || config_.max_pending > 65536) throw std::invalid_argument("max_pending must be in 0..65536");
+  if (config_.max_pending == 0) config_.max_pending = 4 * config_.max_connections;
+  if (!(config_.io_timeout_s > 0) || config_.io_timeout_s > 86400) throw std::invalid_argument("io_timeout_s must be in (0, 86400]");
+  if (config_.port < 0 || config_.port > 65535) throw std::invalid_argument("port must be in 0..65535");
+  if (config_.max_object_bytes == 0) throw std::invalid_argument("max_object_bytes must be > 0");
+  if (!config_.spare_dir.empty()) split_relative_path(config_.spare_dir);  // TransferPathError naming it
+
+  Fd base = open_base_dir(config_.base_dir);
+  mappings_.reset(new WarmMappingCache());
+  struct addrinfo hints;
+  std::memset(&hints, 0, sizeof(hints));
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  struct addrinfo* res = nullptr;
+  const std::string port_s = std::to_string(config_.port);
+  const int gai = ::getaddrinfo(config_.host.empty() ? nullptr : config_.host.c_str(), port_s.c_str(), &hints, &res);
+  if (gai != 0) throw std::invalid_argument("cannot resolve host " + quoted(config_.host) + ": " + gai_strerror(gai));
+  std::unique_ptr<struct addrinfo, void (*)(struct addrinfo*)> guard(res, ::freeaddrinfo);
+  Fd listener(::socket(res->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  if (listener.get() < 0) throw OsError(errno, "socket failed", "");
+  const int one = 1;
+  ::setsockopt(listener.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  if (::bind(listener.get(), res->ai_addr, res->ai_addrlen) != 0)
+    throw OsError(errno, "cannot bind " + config_.host + ":" + port_s, "");
+  if (::listen(listener.get(), 128) != 0) throw OsError(errno, "listen failed", "");
+  struct sockaddr_storage bound;
+  socklen_t blen = sizeof(bound);
+  ::getsockname(listener.get(), reinterpret_cast<sockaddr*>(&bound), &blen);
+  port_ = ntohs(bound.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
+                                            : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+  Fd stop_event(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (stop_event.get() < 0) throw OsError(errno, "eventfd failed", "");
+
+  // Temporary files of receptions that died with their process (flock released) are removed.
+  const size_t swept = sweep_stale_temp_files(base.get());
+  temp_files_swept_.store(swept);
+  base_fd_ = base.release();
+  listen_fd_ = listener.release();
+  stop_fd_ = stop_event.release();
+  try {
+    for (int i = 0; i < config_.max_connections; ++i) workers_.emplace_back([this] { worker_loop(); });
+    accept_thread_ = std::thread([this] { accept_loop(); });
+  } catch (...) {
+    stop();
+    throw;
+  }
+}
+
+TransferServer::~TransferServer() { stop(); }
+
+void TransferServer::stop() {
+  std::lock_guard<std::mutex> once(stop_mutex_);
+  if (stopped_.load()) return;
+  {
+    std::lock_guard<std::mutex> lk(queue_mutex_);
+    stopping_ = true;
+  }
+  queue_cv_.notify_all();
+  const uint64_t one = 1;
+  if (::write(stop_fd_, &one, sizeof(one)) < 0) {
+    // An eventfd write only fails on overflow, which cannot happen with one write.
+  }
+  if (accept_thread_.joinable()) accept_thread_.join();
+  for (auto& t : workers_)
+    if (t.joinable()) t.join();
+  workers_.clear();
+  for (auto& p : queue_) ::close(p.fd);
+  queue_.clear();
+  mappings_->clear();
+  ::close(listen_fd_);
+  ::close(stop_fd_);
+  ::close(base_fd_);
+  listen_fd_ = stop_fd_ = base_fd_ = -1;
+  stopped_.store(true);
+}
+
+std::vector<std::string> TransferServer::take_errors() {
+  std::lock_guard<std::mutex> lk(error_mutex_);
+  std::vector<std::string> out;
+  if (errors_dropped_ > 0) out.push_back(std::to_string(errors_dropped_) + " older error(s) dropped");
+  out.insert(out.end(), errors_.begin(), errors_.end());
+  errors_.clear();
+  errors_dropped_ = 0;
+  return out;
+}
+
+std::map<std::string, uint64_t> TransferServer::stats() const {
+  return {{"accepted", accepted_.load()},
+          {"rejected_busy", rejected_busy_.load()},
+          {"auth_failures", auth_failures_.load()},
+          {"protocol_failures", protocol_failures_.load()},
+          {"pushes_ok", pushes_ok_.load()},
+          {"fetches_ok", fetches_ok_.load()},
+          {"transfer_failures", transfer_failures_.load()},
+          {"bytes_received", bytes_received_.load()},
+          {"bytes_sent", bytes_sent_.load()},
+          {"spares_taken", spares_taken_.load()},
+          {"mappings_reused", mappings_reused_.load()},
+          {"temp_files_swept", temp_files_swept_.load()}};
+}
+
+void TransferServer::record_error(const std::string& message) {
+  std::lock_guard<std::mutex> lk(error_mutex_);
+  errors_.push_back(message);
+  while (errors_.size() > 1000) {
+    errors_.pop_front();
+    ++errors_dropped_;
+  }
+}
+
+void TransferServer::accept_loop() {
+  for (;;) {
+    struct pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {stop_fd_, POLLIN, 0}};
+    const int r = ::poll(fds, 2, 1000);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      record_error(std::string("accept loop: poll failed: ") + errno_text(errno));
+      return;
+    }
+    mappings_->drop_deleted();  // at least once a second: a kept mapping must not pin a deleted file
+    if (r == 0) continue;
+    if (fds[1].revents & POLLIN) return;
+    if (!(fds[0].revents & POLLIN)) continue;
+    struct sockaddr_storage peer;
+    socklen_t plen = sizeof(peer);
+    const int fd = ::accept4(listen_fd_, reinterpret_cast<sockaddr*>(&peer), &plen, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) {
+      const int err = errno;
+      if (err == EAGAIN || err == EWOULDBLOCK || err == EINTR || err == ECONNABORTED) continue;
+      record_error(std::string("accept failed: ") + errno_text(err));
+      if (err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM) {
+        struct pollfd s = {stop_fd_, POLLIN, 0};
+        ::poll(&s, 1, 100);  // back off instead of spinning until descriptors free up
+      }
+      continue;
+    }
+    char host[INET6_ADDRSTRLEN] = "?";
+    int pport = 0;
+    if (peer.ss_family == AF_INET) {
+      auto* a = reinterpret_cast<sockaddr_in*>(&peer);
+      ::inet_ntop(AF_INET, &a->sin_addr, host, sizeof(host));
+      pport = ntohs(a->sin_port);
+    } else if (peer.ss_family == AF_INET6) {
+      auto* a = reinterpret_cast<sockaddr_in6*>(&peer);
+      ::inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof(host));
+      pport = ntohs(a->sin6_port);
+    }
+    const std::string name = std::string(host) + ":" + std::to_string(pport);
+    accepted_.fetch_add(1);
+    set_socket_options(fd);
+    bool queued = false;
+    {
+      std::lock_guard<std::mutex> lk(queue_mutex_);
+      if (!stopping_ && queue_.size() < static_cast<size_t>(config_.max_pending)) {
+        queue_.push_back({fd, name});
+        queued = true;
+      }
+    }
+    if (queued) {
+      queue_cv_.notify_one();
+    } else {
+      ::close(fd);
+      rejected_busy_.fetch_add(1);
+      record_error("peer " + name + ": connection refused, server busy (" + std::to_string(config_.max_pending) +
+                   " connections already waiting)");
+    }
+  }
+}
+
+void TransferServer::worker_loop() {
+  for (;;) {
+    Pending p;
+    {
+      std::unique_lock<std::mutex> lk(queue_mutex_);
+      queue_cv_.wait(lk, [this] { return stopping_ || !queue_.empty(); });
+      if (stopping_) return;
+      p = queue_.front();
+      queue_.pop_front();
+    }
+    Fd conn(p.fd);
+    try {
+      handle(conn.get(), p.peer);
+    } catch (const std::exception& e) {
+      record_error("peer " + p.peer + ": " + e.what());
+    } catch (...) {
+      record_error("peer " + p.peer + ": unknown error");
+    }
+  }
+}
+
+namespace {
+// A request refused after authentication: the status and message go back to the client.
+struct Refusal {
+  uint32_t status;
+  std::string message;
+};
+
+Refusal refusal_for(const std::exception& e) {
+  if (dynamic_cast<const TransferPathError*>(&e)) return {kPathRefused, e.what()};
+  if (dynamic_cast<const TransferNotFoundError*>(&e)) return {kNotFound, e.what()};
+  if (const auto* os = dynamic_cast<const OsError*>(&e)) {
+    if (os->error_number() == ENOENT) return {kNotFound, e.what()};
+    return {kIoError, e.what()};
+  }
+  return {kIoError, e.what()};
+}
+}  // namespace
+
+namespace {
+// After a refusal: stop sending and discard what the peer still sends (bounded: 200 ms, 1 MiB)
+// before the close, so the close does not turn into a reset that destroys the response on its way.
+void drain_briefly(int fd, int stop_fd) {
+  ::shutdown(fd, SHUT_WR);
+  const auto deadline = Clock::now() + std::chrono::milliseconds(200);
+  char sink[16384];
+  size_t total = 0;
+  while (total < (size_t(1) << 20)) {
+    const ssize_t r = ::recv(fd, sink, sizeof(sink), 0);
+    if (r > 0) {
+      total += static_cast<size_t>(r);
+      continue;
+    }
+    if (r == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) return;
+    const double left = std::chrono::duration<double>(deadline - Clock::now()).count();
+    if (left <= 0) return;
+    struct pollfd fds[2] = {{fd, POLLIN, 0}, {stop_fd, POLLIN, 0}};
+    if (::poll(fds, 2, timeout_ms(left)) <= 0 || (fds[1].revents & POLLIN)) return;
+  }
+}
+}  // namespace
+
+void TransferServer::handle(int fd, const std::string& peer) {
+  Channel ch(fd, config_.io_timeout_s, stop_fd_);
+  ch.set_deadline(config_.io_timeout_s);
+  try {
+    server_handshake(ch, config_.secret);
+  } catch (const TransferAuthError& e) {
+    auth_failures_.fetch_add(1);
+    record_error("peer " + peer + ": " + e.what());
+    return;
+  } catch (const std::exception& e) {
+    protocol_failures_.fetch_add(1);
+    record_error("peer " + peer + ": handshake failed: " + e.what());
+    return;
+  }
+
+  uint8_t req[kRequestBytes];
+  uint32_t op = 0, path_len = 0;
+  uint64_t size = 0;
+  std::string path;
+  try {
+    ch.recv_exact(req, sizeof(req), "request");
+    op = get_u32(req);
+    path_len = get_u32(req + 4);
+    size = get_u64(req + 8);
+    std::string bad;
+    if (op != kOpPush && op != kOpFetch) bad = "unknown operation " + std::to_string(op);
+    else if (path_len == 0 || path_len > kTransferMaxPathBytes)
+      bad = "path length " + std::to_string(path_len) + " outside 1.." + std::to_string(kTransferMaxPathBytes);
+    else if (get_u32(req + 16) != 0 || get_u32(req + 20) != 0) bad = "non-zero reserved request fields";
+    else if (op == kOpFetch && size != 0) bad = "fetch request with a non-zero size";
+    if (!bad.empty()) {
+      protocol_failures_.fetch_add(1);
+      record_error("peer " + peer + ": bad request: " + bad);
+      send_response(ch, kBadRequest, 0, bad);
+      drain_briefly(fd, stop_fd_);
+      return;
+    }
+    path.resize(path_len);
+    ch.recv_exact(&path[0], path_len, "request path");
+  } catch (const std::exception& e) {
+    protocol_failures_.fetch_add(1);
+    record_error("peer " + peer + ": reading the request failed: " + e.what());
+    return;
+  }
+
+  const Connection conn{ch, fd, peer, std::string(op == kOpPush ? "push" : "fetch") + " of " + quoted(path)};
+  if (op == kOpPush) handle_push(conn, path, size);
+  else handle_fetch(conn, path);
+}
+
+void TransferServer::refuse(const Connection& c, uint32_t status, const std::string& message) {
+  transfer_failures_.fetch_add(1);
+  record_error("peer " + c.peer + ": " + c.what + " refused (" + status_name(status) + "): " + message);
+  try {
+    send_response(c.ch, status, 0, message);
+    drain_briefly(c.fd, stop_fd_);
+  } catch (const std::exception&) {
+  }
+}
+
+// PUSH: a temporary file (from a spare when one fits), "ready", the data + trailer, checks,
+// rename into place, "stored".
+void TransferServer::handle_push(const Connection& c, const std::string& path, uint64_t size) {
+  Channel& ch = c.ch;
+  const std::string& peer = c.peer;
+  const std::string& what = c.what;
+  auto refuse = [&](uint32_t status, const std::string& message) { this->refuse(c, status, message); };
+  std::vector<uint8_t> buf(kChunkBytes);
+  if (size > config_.max_object_bytes) {
+    refuse(kTooLarge, "object size " + std::to_string(size) + " exceeds max_object_bytes " +
+                          std::to_string(config_.max_object_bytes));
+    return;
+  }
+  std::unique_ptr<TempObject> tmp;
+  try {
+    Fd spares = open_spare_dir(base_fd_, config_.spare_dir);
+    tmp.reset(new TempObject(base_fd_, path, size, spares.get(), mappings_.get()));
+    if (tmp->from_spare()) spares_taken_.fetch_add(1);
+  } catch (const std::exception& e) {
+    const Refusal r = refusal_for(e);
+    refuse(r.status == kNotFound ? kIoError : r.status, r.message);
+    return;
+  }
+  try {
+    send_response(ch, kOk, 0, "ready");
+    ch.clear_deadline();
+    try {
+      receive_object(ch, *tmp, size, buf);
+    } catch (const TransferChecksumError& e) {
+      tmp.reset();  // the temporary file is gone before the sender hears about it
+      refuse(kChecksum, std::string(e.what()) + "; object discarded");
+      return;
+    }
+    bytes_received_.fetch_add(size);
+    if (tmp->mapping_reused()) mappings_reused_.fetch_add(1);
+    try {
+      tmp->commit();
+    } catch (const std::exception& e) {
+      tmp.reset();
+      refuse(kIoError, e.what());
+      return;
+    }
+    pushes_ok_.fetch_add(1);
+    try {
+      send_response(ch, kOk, size, "stored");
+    } catch (const std::exception& e) {
+      record_error("peer " + peer + ": " + what + ": stored, but the acknowledgement was lost: " + e.what());
+    }
+    tmp.reset();  // unmapping the received pages waits until the sender has its answer
+  } catch (const std::exception& e) {
+    tmp.reset();
+    transfer_failures_.fetch_add(1);
+    record_error("peer " + peer + ": " + what + " failed: " + e.what() + " (nothing stored)");
+  }
+}
+
+// FETCH: "sending" with the size, the data + trailer, then the client's verdict (for the log).
+void TransferServer::handle_fetch(const Connection& c, const std::string& path) {
+  Channel& ch = c.ch;
+  const std::string& peer = c.peer;
+  const std::string& what = c.what;
+  auto refuse = [&](uint32_t status, const std::string& message) { this->refuse(c, status, message); };
+  std::vector<uint8_t> buf(kChunkBytes);
+  Fd file;
+  uint64_t file_size = 0;
+  try {
+    file = open_confined_for_read(base_fd_, path, &file_size, /*refuse_hard_links=*/true);
+  } catch (const std::exception& e) {
+    const Refusal r = refusal_for(e);
+    refuse(r.status, r.message);
+    return;
+  }
+  if (file_size > config_.max_object_bytes) {
+    refuse(kTooLarge, "object size " + std::to_string(file_size) + " exceeds max_object_bytes");
+    return;
+  }
+  try {
+    send_response(ch, kOk, file_size, "sending");
+    ch.clear_deadline();
+    const uint32_t crc = send_object(ch, file.get(), 0, file_size, true, buf);
+    send_trailer(ch, file_size, crc);
+    bytes_sent_.fetch_add(file_size);
+    const Response ack = recv_response(ch);
+    if (ack.status != kOk) {
+      transfer_failures_.fetch_add(1);
+      record_error("peer " + peer + ": " + what + ": the client reported " + status_name(ack.status) + ": " + ack.message);
+      return;
+    }
+    fetches_ok_.fetch_add(1);
+  } catch (const std::exception& e) {
+    transfer_failures_.fetch_add(1);
+    record_error("peer " + peer + ": " + what + " failed: " + e.what());
+  }
+}
+
+}  // namespace flashpoint

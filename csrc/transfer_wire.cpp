@@ -1,0 +1,192 @@
+// Framing and handshake of the transfer service (layout: docs/protocol.md).
+#include "transfer_wire.hpp"
+
+namespace flashpoint {
+namespace xfer {
+namespace {
+
+// --- messages -----------------------------------------------------------------------------
+
+Digest256 handshake_mac(const std::string& secret, const char* label, const uint8_t* nonce_c, const uint8_t* nonce_s) {
+  HmacSha256 h(secret.data(), secret.size());
+  h.update(label, std::strlen(label));
+  h.update(nonce_c, kNonceBytes);
+  h.update(nonce_s, kNonceBytes);
+  return h.finish();
+}
+
+void check_magic_version(const uint8_t* msg, const char* who) {
+  if (std::memcmp(msg, kMagic, sizeof(kMagic)) != 0)
+    throw TransferError(std::string("bad protocol magic from the ") + who + " (not a flashpoint transfer peer)");
+  const uint32_t version = get_u32(msg + 8);
+  if (version != kProtocolVersion)
+    throw TransferError(std::string("unsupported protocol version ") + std::to_string(version) + " from the " + who +
+                        " (this side speaks " + std::to_string(kProtocolVersion) + ")");
+  if (get_u32(msg + 12) != 0) throw TransferError(std::string("non-zero reserved field in the ") + who + " hello");
+}
+
+}  // namespace
+
+const char* status_name(uint32_t s) {
+  switch (s) {
+    case kOk: return "ok";
+    case kBadRequest: return "bad request";
+    case kPathRefused: return "path refused";
+    case kTooLarge: return "too large";
+    case kNotFound: return "not found";
+    case kChecksum: return "checksum mismatch";
+    case kIoError: return "I/O error";
+    default: return "unknown status";
+  }
+}
+
+
+std::string quoted(const std::string& s) {
+  std::string out = "'";
+  for (unsigned char c : s.substr(0, 200)) {
+    if (c == '\\' || c == '\'') {
+      out += '\\';
+      out += char(c);
+    } else if (c < 0x20 || c == 0x7f) {
+      static const char* hex = "0123456789abcdef";
+      out += "\\x";
+      out += hex[c >> 4];
+      out += hex[c & 15];
+    } else {
+      out += char(c);
+    }
+  }
+  if (s.size() > 200) out += "...";
+  return out + "'";
+}
+
+
+void fill_random(void* buf, size_t n) {
+  uint8_t* p = static_cast<uint8_t*>(buf);
+  while (n > 0) {
+    const ssize_t got = getrandom(p, n, 0);
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      throw OsError(errno, "getrandom failed", "");
+    }
+    p += got;
+    n -= static_cast<size_t>(got);
+  }
+}
+
+std::string random_hex(size_t bytes) {
+  std::vector<uint8_t> raw(bytes);
+  fill_random(raw.data(), raw.size());
+  static const char* hex = "0123456789abcdef";
+  std::string out;
+  for (uint8_t b : raw) {
+    out += hex[b >> 4];
+    out += hex[b & 15];
+  }
+  return out;
+}
+
+void server_handshake(Channel& ch, const std::string& secret) {
+  uint8_t hello[kClientHelloBytes];
+  ch.recv_exact(hello, sizeof(hello), "client hello");
+  check_magic_version(hello, "client");
+  const uint8_t* nonce_c = hello + 16;
+  uint8_t reply[kServerHelloBytes];
+  std::memcpy(reply, kMagic, sizeof(kMagic));
+  put_u32(reply + 8, kProtocolVersion);
+  put_u32(reply + 12, 0);
+  uint8_t* nonce_s = reply + 16;
+  fill_random(nonce_s, kNonceBytes);
+  const Digest256 server_mac = handshake_mac(secret, kServerLabel, nonce_c, nonce_s);
+  std::memcpy(reply + 16 + kNonceBytes, server_mac.data(), kMacBytes);
+  ch.send_all(reply, sizeof(reply), "server hello");
+  uint8_t proof[kMacBytes];
+  ch.recv_exact(proof, sizeof(proof), "client proof");
+  const Digest256 expected = handshake_mac(secret, kClientLabel, nonce_c, nonce_s);
+  if (!constant_time_equal(proof, expected.data(), kMacBytes))
+    throw TransferAuthError("client failed authentication (wrong job secret)");
+}
+
+void client_handshake(Channel& ch, const std::string& secret) {
+  uint8_t hello[kClientHelloBytes];
+  std::memcpy(hello, kMagic, sizeof(kMagic));
+  put_u32(hello + 8, kProtocolVersion);
+  put_u32(hello + 12, 0);
+  uint8_t* nonce_c = hello + 16;
+  fill_random(nonce_c, kNonceBytes);
+  ch.send_all(hello, sizeof(hello), "client hello");
+  uint8_t reply[kServerHelloBytes];
+  ch.recv_exact(reply, sizeof(reply), "server hello");
+  check_magic_version(reply, "server");
+  const uint8_t* nonce_s = reply + 16;
+  const Digest256 expected = handshake_mac(secret, kServerLabel, nonce_c, nonce_s);
+  if (!constant_time_equal(reply + 16 + kNonceBytes, expected.data(), kMacBytes))
+    throw TransferAuthError("server failed authentication (wrong job secret on one side, or not the expected peer)");
+  const Digest256 proof = handshake_mac(secret, kClientLabel, nonce_c, nonce_s);
+  ch.send_all(proof.data(), proof.size(), "client proof");
+}
+
+void send_request(Channel& ch, uint32_t op, const std::string& path, uint64_t size) {
+  std::vector<uint8_t> buf(kRequestBytes + path.size());
+  put_u32(buf.data(), op);
+  put_u32(buf.data() + 4, static_cast<uint32_t>(path.size()));
+  put_u64(buf.data() + 8, size);
+  put_u32(buf.data() + 16, 0);
+  put_u32(buf.data() + 20, 0);
+  std::memcpy(buf.data() + kRequestBytes, path.data(), path.size());
+  ch.send_all(buf.data(), buf.size(), "request");
+}
+
+void send_response(Channel& ch, uint32_t status, uint64_t value, const std::string& message) {
+  const std::string msg = message.substr(0, kMaxMessageBytes);
+  std::vector<uint8_t> buf(kResponseBytes + msg.size());
+  put_u32(buf.data(), status);
+  put_u32(buf.data() + 4, static_cast<uint32_t>(msg.size()));
+  put_u64(buf.data() + 8, value);
+  std::memcpy(buf.data() + kResponseBytes, msg.data(), msg.size());
+  ch.send_all(buf.data(), buf.size(), "response");
+}
+
+Response recv_response(Channel& ch) {
+  uint8_t head[kResponseBytes];
+  ch.recv_exact(head, sizeof(head), "response");
+  Response r;
+  r.status = get_u32(head);
+  const uint32_t len = get_u32(head + 4);
+  r.value = get_u64(head + 8);
+  if (len > kMaxMessageBytes) throw TransferError("malformed response: message length " + std::to_string(len));
+  if (r.status > kIoError) throw TransferError("malformed response: unknown status " + std::to_string(r.status));
+  r.message.resize(len);
+  if (len) ch.recv_exact(&r.message[0], len, "response message");
+  return r;
+}
+
+void send_trailer(Channel& ch, uint64_t nbytes, uint32_t crc) {
+  uint8_t t[kTrailerBytes];
+  put_u64(t, nbytes);
+  put_u32(t + 8, crc);
+  put_u32(t + 12, kTrailerMagic);
+  ch.send_all(t, sizeof(t), "trailer");
+}
+
+// Checks the trailer that follows the data against the length and CRC32C received.
+void check_trailer(Channel& ch, uint64_t size, uint32_t crc) {
+  uint8_t t[kTrailerBytes];
+  ch.recv_exact(t, sizeof(t), "trailer");
+  if (get_u32(t + 12) != kTrailerMagic) throw TransferError("malformed trailer (bad end magic)");
+  const uint64_t their_n = get_u64(t);
+  const uint32_t their_crc = get_u32(t + 8);
+  if (their_n != size)
+    throw TransferChecksumError("length mismatch: the sender announced " + std::to_string(size) +
+                                " bytes but its trailer says " + std::to_string(their_n));
+  if (their_crc != crc) {
+    char msg[160];
+    std::snprintf(msg, sizeof(msg), "CRC32C mismatch: the sender's is %08x, the received bytes give %08x", their_crc,
+                  crc);
+    throw TransferChecksumError(msg);
+  }
+}
+
+// Receives [0, n) straight into the warm mapping, CRC'ing each piece while it is hot, never
+}  // namespace xfer
+}  // namespace flashpoint
