@@ -37,8 +37,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # launch.py (a site package shadows `examples`)
-from ml_flashpoint_nemo.testing import cpu_shims  # noqa: E402
 from launch import init_process_group_reporting_start  # noqa: E402 - examples/launch.py
+
+from ml_flashpoint_nemo.testing import cpu_shims  # noqa: E402
 
 cpu_shims.install_for_checkpointing()
 

@@ -15,7 +15,6 @@ import argparse
 import os
 from typing import Any
 
-from ml_flashpoint_nemo.core.trees import tree_bytes
 from ml_flashpoint_nemo.cli.common import (
     EXIT_BUSY,
     EXIT_FAILED,
@@ -28,6 +27,7 @@ from ml_flashpoint_nemo.cli.common import (
 )
 from ml_flashpoint_nemo.cli.ls import allocated_bytes, scan_versions
 from ml_flashpoint_nemo.core.layout import version_dir_name
+from ml_flashpoint_nemo.core.trees import tree_bytes
 from ml_flashpoint_nemo.core.versions import retire_version, superseded_steps
 
 

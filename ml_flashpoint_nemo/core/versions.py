@@ -115,12 +115,14 @@ def list_versions(base_dir: str | os.PathLike[str]) -> list[VersionInfo]:
     return infos
 
 
-def retire_version(layout: CheckpointLayout, step: int, *, rank: int | None, pool: BufferPool | None = None) -> None:
+def retire_version(layout: CheckpointLayout, step: int, *, rank: int | None, pool: BufferPool | None = None,
+                   world_size: int | None = None) -> None:
     """Remove a version: its commit record first, then the objects of `rank` (all ranks if None).
 
     Version-level files (commit record, adapter metadata) go with the first caller; objects
-    of other ranks are left to those ranks. With a pool, this rank's object files go back into
-    it for reuse instead of being deleted.
+    of other ranks are left to those ranks, except those of ranks >= world_size (a version
+    saved before the job restarted with fewer ranks: no rank would ever remove them). With a
+    pool, this rank's object files go back into it for reuse instead of being deleted.
     """
     directory = layout.version_dir(step)
     layout.commit_path(step).unlink(missing_ok=True)
@@ -129,7 +131,7 @@ def retire_version(layout: CheckpointLayout, step: int, *, rank: int | None, poo
         path = directory / name
         if owner is None:
             remove_tree(path)  # a file, or whatever a peer or a crash left (a directory, a deep tree)
-        elif rank is None or owner == rank:
+        elif rank is None or owner == rank or (world_size is not None and owner >= world_size):
             if pool is not None and owner == pool.rank and not path.is_dir():
                 pool.recycle(path)
             else:
@@ -172,14 +174,15 @@ def superseded_steps(steps: Iterable[int], committed: Iterable[int], *, keep: in
 
 
 def retire_superseded(
-    base_dir: str | os.PathLike[str], *, keep: int = 1, rank: int | None = None, pool: BufferPool | None = None
+    base_dir: str | os.PathLike[str], *, keep: int = 1, rank: int | None = None, pool: BufferPool | None = None,
+    world_size: int | None = None,
 ) -> list[int]:
     """Retire (see retire_version) every version superseded_steps names; returns the steps retired."""
     layout = CheckpointLayout(base_dir)
     retired = [s for s in superseded_steps(layout.version_steps(), committed_steps(layout), keep=keep)
                if not layout.is_held(s)]  # a durable drain is reading it; it releases the hold when done
     for step in retired:
-        retire_version(layout, step, rank=rank, pool=pool)
+        retire_version(layout, step, rank=rank, pool=pool, world_size=world_size)
     if retired:
         logger.debug("Retired versions %s under %s (keeping %d)", retired, layout.base_dir, keep)
     return retired

@@ -140,7 +140,8 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         if self.step is None:
             raise BaseDirError("write_data called before reset(checkpoint_id): pass checkpoint_id to dcp.save")
         saver = self._saver_for_rank()
-        retire_superseded(self.layout.base_dir, keep=self.keep, rank=self.rank, pool=saver.pool)
+        retire_superseded(self.layout.base_dir, keep=self.keep, rank=self.rank, pool=saver.pool,
+                          world_size=dist.get_world_size() if dist.is_initialized() else None)
         flat, described = resolve_write_items(plan, planner)
         future: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
         if not flat:

@@ -130,7 +130,8 @@ class _StagingWriter(MemoryStorageWriter):
     def _stage(self, plan: SavePlan, planner: SavePlanner) -> None:
         self.rank = dist.get_rank()
         saver = self._saver_for_rank()
-        retire_superseded(self.layout.base_dir, keep=self.keep, rank=self.rank, pool=saver.pool)
+        retire_superseded(self.layout.base_dir, keep=self.keep, rank=self.rank, pool=saver.pool,
+                          world_size=dist.get_world_size())
         flat, self.items = resolve_write_items(plan, planner)
         self.staged = saver.stage_object(self.step, flat, overwrite=True, defer_checksums=True)
 

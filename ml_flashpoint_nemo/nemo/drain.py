@@ -204,8 +204,8 @@ class DurableDrain:
             write_file_atomically(temporary, done.name, json.dumps({"step": request.step, "results": results}).encode(),
                                   f"the drain done file of rank {self.rank}")
         except Exception as exc:
-            _try(lambda: write_file_atomically(temporary, done.name, json.dumps(
-                {"step": request.step, "error": f"{type(exc).__name__}: {exc}"}).encode(), "a drain error file"))
+            error = json.dumps({"step": request.step, "error": f"{type(exc).__name__}: {exc}"}).encode()
+            _try(lambda: write_file_atomically(temporary, done.name, error, "a drain error file"))
             raise
         return version_files
 

@@ -33,6 +33,8 @@ def main() -> None:
     parser.add_argument("--save-worker-up", action="store_true",
                         help="train only once the persistent save worker is up, as a job whose first save comes "
                              "minutes after set-up has it (this tiny model saves within a second of starting)")
+    parser.add_argument("--dump-resumed-state", action="store_true",
+                        help="rank 0 writes the state it starts training from (after a resume) to resumed_state.pt")
     parser.add_argument("--drain-every", type=int, default=0, help="durable_every_n_steps (drained from RAM); 0: off")
     parser.add_argument("--drain-log", default=None, help="NeMoLogger dir of drained checkpoints: <it>/tiny/checkpoints")
     parser.add_argument("--drain-rate", type=float, default=None, help="durable_bytes_per_s")
@@ -73,6 +75,13 @@ def main() -> None:
             queue = trainer._flashpoint.io.flashpoint_queue
             assert queue.worker_ready(timeout=120), "the persistent save worker did not come up in 120 s"
 
+    class DumpResumedState(pl.Callback):
+        def on_train_start(self, trainer: Any, *unused: Any) -> None:
+            if trainer.global_rank == 0:
+                torch.save({"model": tiny_gpt.model_state_dict(trainer), "step": trainer.global_step,
+                            "optimizer": quickstart.flat_tensors(trainer.strategy.optimizers[0].state_dict())},
+                           Path(args.out) / "resumed_state.pt")
+
     import time
 
     def drain_idle(trainer: Any) -> None:
@@ -108,6 +117,7 @@ def main() -> None:
     if args.drain_every:
         callbacks.append(DrainEvents())
     callbacks += [SaveWorkerUp()] if args.save_worker_up else []
+    callbacks += [DumpResumedState()] if args.dump_resumed_state else []
     options: dict[str, Any] = {"every_n_steps": args.every, "keep": args.keep}
     if args.drain_every:
         options.update(durable_every_n_steps=args.drain_every, durable_bytes_per_s=args.drain_rate,
