@@ -187,7 +187,7 @@ def test_corrupt_own_object_is_replaced_by_the_peers_replica(shm_dir):
     flip(own)
     outputs = run("restart_load", 2, bases=bases, ranks_per_node=1)
     assert all("CHOSEN 2" in out and "LOADED 2 OK" in out for out in outputs), outputs
-    assert "drops its corrupt object rank-00001-0.fpo" in outputs[1], outputs[1]
+    assert "drops the corrupt object rank-00001-0.fpo" in outputs[1], outputs[1]
     assert own.read_bytes() == snapshot  # the good replica took its place
     flip(own)
     flip(replica)
