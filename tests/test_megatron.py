@@ -94,7 +94,9 @@ def test_a_hung_worker_fails_its_save_everywhere_within_the_timeout(base_dir):
         finalized_s = float(re.search(r"FINALIZED in ([\d.]+)s", output).group(1))
         assert finalized_s < 20, output
     assert all("worker_gone=True" in output for output in outputs), outputs
-    assert "rank 1: the background write of step 2 is not done after" in outputs[0], outputs[0]
+    # Every rank's own pending save ages alike (rank 0's is waiting on rank 1's to finalize), so which ranks
+    # pass worker_timeout_s first at the shared check depends on scheduling; at least one does, and names itself.
+    assert re.search(r"rank [01]: the background write of step 2 is not done after", outputs[0]), outputs[0]
     assert committed_steps(CheckpointLayout(base_dir))[-2:] == [1, 3]
 
 

@@ -103,6 +103,8 @@ def main() -> None:
 
         def on_train_batch_start(self, trainer: Any, *unused: Any) -> None:
             # the drain of step S is asked for at the end of step S + 1
+            if args.kill_mid_drain_of and trainer.global_step == args.kill_mid_drain_of:
+                drain_idle(trainer)  # every earlier drain published (a busy drain would skip a waiting one)
             if args.kill_mid_drain_of and trainer.global_step == args.kill_mid_drain_of + 1:
                 drain = trainer._flashpoint.callback.drain
                 deadline = time.monotonic() + 120
