@@ -165,6 +165,8 @@ class DurableDrain:
                     return
                 request, self._pending = self._pending, None
                 self._current = request
+            if request is None:  # not reached: the wait above returns with a request or on closing
+                continue
             try:
                 self._drain(request)
             except Exception as exc:  # noqa: BLE001 - a failed drain is logged; training goes on, the next one retries

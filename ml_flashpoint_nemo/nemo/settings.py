@@ -124,7 +124,7 @@ class FlashpointSettings(FlashpointOptions):
     base_dir: Path
 
     @classmethod
-    def create(cls, base_dir: str | os.PathLike[str] | None = None, **options: object) -> "FlashpointSettings":
+    def create(cls, base_dir: str | os.PathLike[str] | None = None, **options: Any) -> "FlashpointSettings":
         """Settings with the base directory resolved (FLASHPOINT_BASE_DIR or the job id) and options checked."""
         settings = cls(base_dir=Path(base_dir) if base_dir else default_base_dir(), **checked_options(options))
         if settings.durable_dir is not None:

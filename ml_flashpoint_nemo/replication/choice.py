@@ -127,6 +127,7 @@ def choose_version(base_dir: str | os.PathLike[str]) -> RecoveryChoice:
         skipped[newest_anywhere] = [f"not committed on the node of ranks {missing_on}"]
     topology = discover_nodes(base_dir) if candidates else None
     for step in candidates:
+        assert topology is not None  # discovered above whenever there are candidates
         found = problems_of_every_rank(_local_problem(layout, step, topology))
         if found and world_size > 1 and topology.node_count > 1 \
                 and _drop_corrupt_objects_on_every_rank(layout, step, topology):  # a peer may hold a good replica
