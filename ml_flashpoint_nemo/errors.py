@@ -82,3 +82,10 @@ class TrainerSetupError(FlashpointError):
 
 class ReplicationSecretError(FlashpointError):
     """The replication job secret is missing on some ranks, differs between ranks, or its file is unsafe."""
+
+
+# The transfer service's errors are defined by the C++ core, which raises them; re-exported here
+# so that users catch them from one place. TransferIntegrityError: a message on a replication
+# connection failed its authentication tag (tampered with or corrupted on the way); nothing was
+# stored. Subclass of TransferError (an OSError).
+from ml_flashpoint_nemo._core import TransferError, TransferIntegrityError  # noqa: E402
