@@ -42,7 +42,7 @@ DESIGN.md §3 and §8 give the budgets this script checks; every line has `targe
                      script imported nemo.lightning first / did not import NeMo.
 
 Megatron and DCP run in a single-process gloo group (world size 1). On a CPU-only torch,
-Megatron's dist_checkpointing needs the two CUDA shims of examples/cpu_shims.py (install_for_checkpointing);
+Megatron's dist_checkpointing needs the two CUDA shims of ml_flashpoint_nemo/testing/cpu_shims.py (install_for_checkpointing);
 they are installed before megatron is imported and the output says so. The state is a
 few large tensors (~90% of the bytes) and ~500 small ones, random values from a fixed
 seed; every figure is the median of --runs runs; gbps counts tensor bytes (1 GB = 1e9 B).
@@ -86,8 +86,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(REPO)]  # bench_core, 
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # examples/cpu_shims.py
-import cpu_shims  # noqa: E402
+from ml_flashpoint_nemo.testing import cpu_shims  # noqa: E402
 
 # Must run before megatron is imported: dist_checkpointing calls torch.cuda.current_device()
 # and torch.cuda.synchronize(), which a CPU-only torch refuses. A no-op when CUDA is present.
@@ -96,14 +95,7 @@ cpu_shims.install_for_checkpointing()
 
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
-from megatron.core import dist_checkpointing  # noqa: E402
-from megatron.core.dist_checkpointing.mapping import ShardedTensor  # noqa: E402
-from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue  # noqa: E402
-
 from bench_core import (  # noqa: E402
-    common_arguments,
-    finish_common_arguments,
-    in_fresh_workdir,
     GIB,
     LARGE_COLUMNS,
     LARGE_DTYPES,
@@ -115,23 +107,34 @@ from bench_core import (  # noqa: E402
     TensorSpec,
     build_state,
     check_equal,
+    common_arguments,
+    finish_common_arguments,
+    in_fresh_workdir,
     median_of_runs,
     medians_interleaved,
     state_nbytes,
     timed,
     zero_,
 )
-from ml_flashpoint_nemo.core import CheckpointSaver, load_version  # noqa: E402
-from ml_flashpoint_nemo.core.gc_pause import gc_paused  # noqa: E402
-from ml_flashpoint_nemo.core.manager import shutdown_manager, start_manager_warmup, wait_for_manager  # noqa: E402
-from ml_flashpoint_nemo.core.tuning import default_copy_threads  # noqa: E402
-from ml_flashpoint_nemo.dcp import MemoryStorageReader, MemoryStorageWriter  # noqa: E402
+from megatron.core import dist_checkpointing  # noqa: E402
+from megatron.core.dist_checkpointing.mapping import ShardedTensor  # noqa: E402
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue  # noqa: E402
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner  # noqa: E402
 from torch.distributed.checkpoint.metadata import Metadata  # noqa: E402
 from torch.distributed.checkpoint.planner import (  # noqa: E402
-    LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner,
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult  # noqa: E402
+
+from ml_flashpoint_nemo.core import CheckpointSaver, load_version  # noqa: E402
+from ml_flashpoint_nemo.core.gc_pause import gc_paused  # noqa: E402
+from ml_flashpoint_nemo.core.sync_manager import shutdown_manager, start_manager_warmup, wait_for_manager  # noqa: E402
+from ml_flashpoint_nemo.core.tuning import default_copy_threads  # noqa: E402
+from ml_flashpoint_nemo.dcp import MemoryStorageReader, MemoryStorageWriter  # noqa: E402
 from ml_flashpoint_nemo.megatron import FlashpointLoadStrategy, FlashpointSaveStrategy  # noqa: E402
 from ml_flashpoint_nemo.megatron.async_workers import PersistentWorkerQueue  # noqa: E402
 
@@ -446,7 +449,7 @@ def blocking_row(gc_on: tuple[Result, Parts], gc_off: tuple[Result, Parts], stag
         ".schedule_async_request; stage_copy_seconds = CheckpointSaver.stage_object inside "
         "it; finalize (maybe_finalize_async_calls(blocking=True)) untimed; ratio against the faster staging copy; "
         "gc_off_* = the same with Python's GC disabled. "
-        + ("CPU-only torch: examples/cpu_shims.install_for_checkpointing() shims torch.cuda.synchronize/current_device"
+        + ("CPU-only torch: ml_flashpoint_nemo.testing.cpu_shims.install_for_checkpointing() shims torch.cuda.synchronize/current_device"
            if MEGATRON_CPU_SHIM else "CUDA present: no shim"),
     )
 

@@ -36,25 +36,26 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # cpu_shims (a site package shadows `examples`)
-import cpu_shims  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # launch.py (a site package shadows `examples`)
 from launch import init_process_group_reporting_start  # noqa: E402 - examples/launch.py
+
+from ml_flashpoint_nemo.testing import cpu_shims  # noqa: E402
 
 cpu_shims.install_for_checkpointing()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from campaign_worker_faults import KillRankAroundWrite  # noqa: E402 - benchmarks/ is the script's directory
 from megatron.core import dist_checkpointing  # noqa: E402
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor  # noqa: E402
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue  # noqa: E402
 
-from ml_flashpoint_nemo.replication.choice import choose_version  # noqa: E402
 from ml_flashpoint_nemo.core.space import check_room_on_every_rank  # noqa: E402
 from ml_flashpoint_nemo.errors import FlashpointError  # noqa: E402
 from ml_flashpoint_nemo.megatron import FlashpointLoadStrategy, FlashpointSaveStrategy  # noqa: E402
 from ml_flashpoint_nemo.megatron.async_workers import PersistentWorkerQueue  # noqa: E402
-from campaign_worker_faults import KillRankAroundWrite  # noqa: E402 - benchmarks/ is the script's directory
 from ml_flashpoint_nemo.replication import ReplicationConfig  # noqa: E402
+from ml_flashpoint_nemo.replication.choice import choose_version  # noqa: E402
 
 ROWS, COLS, BATCH = 1024, 2048, 32  # 8 MiB of weight + 8 MiB of momentum per rank
 DURABLE_EVERY = 4

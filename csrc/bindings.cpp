@@ -116,6 +116,17 @@ PYBIND11_MODULE(_core, m) {
   m.def("crc32c_combine", &crc32c_combine, py::arg("crc_a"), py::arg("crc_b"), py::arg("len_b"),
         "CRC32C of A||B from the CRCs of A and B and the length of B.");
   m.def("crc32c_backend", &crc32c_backend, "Which CRC32C implementation this CPU uses.");
+  m.def("crc32c_backends", &crc32c_backends, "The CRC32C implementations this CPU can run, fastest first.");
+  m.def(
+      "crc32c_using",
+      [](const std::string& backend, const py::buffer& data, uint32_t crc) {
+        py::buffer_info info = request_readable(data);
+        const size_t n = static_cast<size_t>(info.size * info.itemsize);
+        py::gil_scoped_release release;
+        return crc32c_using(backend, info.ptr, n, crc);
+      },
+      py::arg("backend"), py::arg("data"), py::arg("crc") = 0,
+      "CRC32C with the named implementation (one of crc32c_backends()), for tests and benchmarks.");
   m.def("page_size", &page_size);
 
   py::class_<ShmBuffer> buffer_class(m, "ShmBuffer", py::buffer_protocol(),

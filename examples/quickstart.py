@@ -11,7 +11,7 @@ The losses after the resume and the final parameters and optimizer state must eq
 reference run's bit for bit; the script prints PASS or FAIL (exit code 1) with the save
 blocking times, the checkpoint throughput and the recovery time.
 
-The CPU stand-ins for CUDA-only calls live in examples/cpu_shims.py (used by the examples
+The CPU stand-ins for CUDA-only calls live in ml_flashpoint_nemo/testing/cpu_shims.py (used by the examples
 and tests only, never by the library). On GPUs see examples/pretrain_gpt_flashpoint.py.
 """
 

@@ -31,11 +31,7 @@ if __name__ == "__main__" and "RANK" not in os.environ:
 
     sys.exit(1 if launch_ranks(__file__, sys.argv[1:]) else 0)
 
-_HERE = str(Path(__file__).resolve().parent)
-if _HERE not in sys.path:
-    sys.path.insert(0, _HERE)  # cpu_shims lives next to this file
-
-import cpu_shims  # noqa: E402
+from ml_flashpoint_nemo.testing import cpu_shims  # noqa: E402 - CPU stand-ins for CUDA-only calls
 
 cpu_shims.install()
 

@@ -5,11 +5,14 @@ restart. The core (``ml_flashpoint_nemo.core``) needs torch only; the NeMo, Mega
 and DCP adapters import their frameworks lazily.
 """
 
+from typing import TYPE_CHECKING
+
 from ml_flashpoint_nemo._lazy import lazy_exports
 from ml_flashpoint_nemo.errors import (
     BaseDirError,
     ChecksumError,
     CorruptCheckpointError,
+    DurableDrainError,
     FlashpointError,
     FormatVersionError,
     LoadMismatchError,
@@ -28,6 +31,10 @@ from ml_flashpoint_nemo.errors import (
 
 __version__ = "0.1.0"
 
+if TYPE_CHECKING:  # what the lazy exports below resolve to, for type checkers and IDEs
+    from ml_flashpoint_nemo.nemo.inprocess import FlashpointAbort
+    from ml_flashpoint_nemo.nemo.wrap import wrap_trainer_with_flashpoint
+
 # NeMo (and NVRx) are imported only by those who use those integrations.
 _EXPORTS = {
     "FlashpointAbort": "nemo.inprocess",
@@ -38,6 +45,7 @@ __all__ = [
     "BaseDirError",
     "ChecksumError",
     "CorruptCheckpointError",
+    "DurableDrainError",
     "FlashpointAbort",
     "FlashpointError",
     "FormatVersionError",

@@ -1,6 +1,6 @@
 """Lazy package exports: a name is imported from its submodule the first time it is used.
 
-So a process that needs one light module (the Manager's server imports core.manager)
+So a process that needs one light module (the Manager's server imports core.sync_manager)
 does not pay for torch, NeMo or the C++ extension.
 """
 

@@ -84,6 +84,10 @@ class ReplicationSecretError(FlashpointError):
     """The replication job secret is missing on some ranks, differs between ranks, or its file is unsafe."""
 
 
+class DurableDrainError(FlashpointError):
+    """A durable checkpoint could not be drained from RAM; the previous durable checkpoint is intact."""
+
+
 # The transfer service's errors are defined by the C++ core, which raises them; re-exported here
 # so that users catch them from one place. TransferIntegrityError: a message on a replication
 # connection failed its authentication tag (tampered with or corrupted on the way); nothing was

@@ -23,8 +23,8 @@ from ml_flashpoint_nemo import (
     UnsupportedValueError,
     VersionExistsError,
     VersionNotFoundError,
+    _core,
 )
-from ml_flashpoint_nemo import _core
 from ml_flashpoint_nemo.core import CheckpointSaver, committed_steps, load_newest_valid, load_version, verify_version
 from ml_flashpoint_nemo.core.format import HEADER_NBYTES
 from ml_flashpoint_nemo.core.layout import CheckpointLayout

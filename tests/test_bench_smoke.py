@@ -1,4 +1,4 @@
-"""benchmarks/bench_core.py runs end to end on a tiny state and reports every measurement."""
+"""The benchmarks (bench_core.py, bench_crc32c.py) run end to end on tiny inputs and report every measurement."""
 
 from __future__ import annotations
 
@@ -34,3 +34,18 @@ def test_bench_core_quick_reports_every_measurement(base_dir: Path):
     assert "checksum_overhead" in rows["save_warm"]
     assert "warmup_seconds" in rows["save_first"]
     assert not any(base_dir.iterdir()), "the benchmark left files behind"
+
+
+def test_bench_crc32c_reports_every_backend_against_memcpy():
+    from ml_flashpoint_nemo import _core
+
+    result = subprocess.run(
+        [sys.executable, "benchmarks/bench_crc32c.py", "--kib", "64", "--calls", "5", "--rounds", "3", "--json"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = {row["name"]: row for row in map(json.loads, result.stdout.splitlines())}
+    assert rows.keys() == {"memcpy"} | {f"crc32c {b}" for b in _core.crc32c_backends()}
+    assert rows["memcpy"]["cost_vs_memcpy"] == 1.0
+    for name, row in rows.items():
+        assert row["cpu_gbps"] > 0 and row["cost_vs_memcpy"] > 0 and row["nbytes"] == 64 << 10, name

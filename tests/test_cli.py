@@ -379,6 +379,23 @@ def cluttered_base(tmp_base) -> Path:
     return tmp_base
 
 
+@pytest.mark.parametrize("keep", [1, 2, 3])
+def test_clean_removes_exactly_what_a_saver_retires(cluttered_base, keep):
+    """One retention policy: `flashpoint clean --keep K` and a saver's retire_superseded(keep=K) agree."""
+    from ml_flashpoint_nemo.core.versions import retire_superseded
+
+    dry = flashpoint("clean", cluttered_base, "--keep", keep, "--dry-run", "--json")
+    assert dry.returncode == 0, dry.stderr
+    by_clean = sorted(a["step"] for a in json.loads(dry.stdout)["would_remove"] if a["what"] == "version")
+    copy = fresh_base()
+    try:
+        shutil.copytree(cluttered_base, copy)
+        assert retire_superseded(copy, keep=keep) == by_clean
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
+    assert by_clean == {1: [1, 2, 3], 2: [1, 2], 3: [2]}[keep]
+
+
 def test_clean_dry_run_then_keep_two_then_keep_one(cluttered_base):
     base = cluttered_base
     before = tree(base)

@@ -108,7 +108,40 @@ def test_crc32c_known_vectors():
     assert _core.crc32c(b"\xff" * 32) == 0x62A8AB43
     assert _core.crc32c(bytes(range(32))) == 0x46DD794E
     assert _core.crc32c(bytes(range(31, -1, -1))) == 0x113FDB5C
-    assert _core.crc32c_backend() in {"sse4.2", "armv8-crc", "software"}
+    assert _core.crc32c_backend() in {"avx512-vpclmul", "sse4.2", "armv8-crc", "software"}
+    assert _core.crc32c_backend() == _core.crc32c_backends()[0]  # the fastest this CPU runs
+
+
+FOLD_BLOCK = 256  # the carry-less folding path takes 256 bytes per iteration, 64 at the end
+
+
+def fold_edge_lengths() -> list[int]:
+    """Lengths at the edges of every path: lanes, fold blocks and cache lines, and the fold's minimum."""
+    lengths = set(range(0, 80)) | {255, 256, 257, 447, 448, 449, 511, 512, 513, 575, 576, 577, 1023, 1024, 1025}
+    for base in (LANE_BLOCK, 2 * FOLD_BLOCK, 4096, 256 * 1024, MiB):
+        for k in (1, 2, 3):
+            for delta in (-65, -64, -63, -1, 0, 1, 63, 64, 65):
+                lengths.add(k * base + delta)
+    return sorted(n for n in lengths if n >= 0)
+
+
+def test_every_crc32c_backend_equals_the_software_one():
+    """Each implementation this CPU can run, not only the one picked: known vectors, then every edge."""
+    backends = _core.crc32c_backends()
+    assert backends[-1] == "software"
+    data = random_bytes(3 * MiB + 256, seed=11)
+    view = memoryview(data)
+    rng = random.Random(12)
+    for backend in backends:
+        assert _core.crc32c_using(backend, b"123456789") == 0xE3069283, backend
+        assert _core.crc32c_using(backend, bytes(32)) == 0x8A9136AA, backend
+        for n in fold_edge_lengths():
+            start = rng.randrange(0, 130)
+            crc = rng.randrange(0, 2**32)
+            chunk = view[start : start + n]
+            assert _core.crc32c_using(backend, chunk, crc) == _core.crc32c_software(chunk, crc), (backend, start, n)
+    with pytest.raises(ValueError, match="not available on this CPU"):
+        _core.crc32c_using("no-such-backend", b"abc")
 
 
 def test_crc32c_matches_the_bitwise_definition_on_short_inputs():
@@ -806,9 +839,13 @@ def test_reading_past_the_end_raises_short_read(shm_dir, threads):
     try:
         assert issubclass(_core.ShortReadError, EOFError)
         for offset, n in [(10 * MiB - 10, 20), (10 * MiB, 1), (0, 10 * MiB + 1), (20 * MiB, 5)]:
+            destination.fill_(0x77)
+            fine = (0, destination.data_ptr(), MiB, destination.nbytes)  # refused with the bad one
             with pytest.raises(EOFError) as info:
-                _core.read_file_into(fd, ops_array([(offset, destination.data_ptr(), n, destination.nbytes)]), True, threads)
+                _core.read_file_into(fd, ops_array([fine, (offset, destination.data_ptr(), n, destination.nbytes)]),
+                                     True, threads)
             assert isinstance(info.value, _core.ShortReadError)
+            assert bool((destination == 0x77).all()), "a refused read must not have written any byte"
             with pytest.raises(_core.ShortReadError):
                 _core.checksum_file_ranges(fd, ops_array([(offset, n)]), threads)
     finally:
@@ -968,3 +1005,61 @@ def test_plain_memcpy_mode_copies_the_same_bytes(shm_dir):
         assert crcs == [_core.crc32c(source.numpy().tobytes())]
     finally:
         buffer.close()
+
+
+def test_fused_copy_and_checksum_at_random_sizes_alignments_and_offsets(shm_dir):
+    """One call, many ops at random source and destination alignments, sizes around the streaming
+    threshold and not multiples of any block: every byte lands, nothing between ops is touched,
+    and each CRC equals the reference."""
+    rng = random.Random(70)
+    source = torch.randint(0, 256, (24 * MiB,), dtype=torch.uint8, generator=torch.Generator().manual_seed(71))
+    src_bytes = source.numpy().tobytes()
+    sizes = [rng.choice([256 * 1024 + rng.randrange(-300, 300), rng.randrange(256 * 1024, 3 * MiB),
+                         rng.randrange(0, 70_000), 4 * MiB + rng.randrange(1, 200)]) for _ in range(24)]
+    rows, dst = [], 0
+    for n in sizes:
+        dst += rng.randrange(1, 200)  # a gap that must stay untouched
+        src = rng.randrange(0, len(src_bytes) - n)
+        rows.append((src, dst, n))
+        dst += n
+    buffer = ShmBuffer.create(str(shm_dir / "buf"), dst + 4096)
+    try:
+        with memoryview(buffer) as view:
+            view[:] = b"\x5a" * len(view)
+        crcs = _core.copy_into_buffer(buffer, ops_array([(source.data_ptr() + s, d, n) for s, d, n in rows]), True, 2)
+        image = buffer_bytes(buffer)
+        end = 0
+        for (src, dst, n), crc in zip(rows, crcs):
+            assert image[end:dst] == b"\x5a" * (dst - end), "a gap between ops was written"
+            assert image[dst : dst + n] == src_bytes[src : src + n], (src, dst, n)
+            assert crc == _core.crc32c_software(src_bytes[src : src + n]), (src, dst, n)
+            end = dst + n
+        assert image[end:] == b"\x5a" * (len(image) - end)
+    finally:
+        buffer.close()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_read_file_into_at_random_sizes_alignments_and_offsets(shm_dir, threads):
+    """Loads copy and checksum straight from the file's pages: unaligned file offsets, destinations
+    and lengths, large and small, in one call."""
+    rng = random.Random(80 + threads)
+    data = random_bytes(12 * MiB + 777, seed=81)
+    path = shm_dir / "file"
+    path.write_bytes(data)
+    rows = []
+    for _ in range(20):
+        n = rng.choice([rng.randrange(256 * 1024, 5 * MiB), rng.randrange(0, 5000), 256 * 1024 + rng.randrange(-70, 70)])
+        rows.append((rng.randrange(0, len(data) - n), n, rng.randrange(0, 64)))
+    arenas = [torch.full((n + shift + 64,), 0xC3, dtype=torch.uint8) for _, n, shift in rows]
+    ops = [(offset, arena.data_ptr() + shift, n, n) for (offset, n, shift), arena in zip(rows, arenas)]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        crcs = _core.read_file_into(fd, ops_array(ops), True, threads)
+    finally:
+        os.close(fd)
+    for (offset, n, shift), arena, crc in zip(rows, arenas, crcs):
+        got = arena.numpy().tobytes()
+        assert got[shift : shift + n] == data[offset : offset + n], (offset, n, shift)
+        assert got[:shift] == b"\xc3" * shift and got[shift + n :] == b"\xc3" * 64, "wrote outside its destination"
+        assert crc == _core.crc32c_software(data[offset : offset + n]), (offset, n, shift)

@@ -23,7 +23,13 @@ from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.version_files import FILES_KEY, describe_bytes
 from ml_flashpoint_nemo.core.versions import read_commit, write_commit
 from ml_flashpoint_nemo.dcp import MemoryStorageReader, MemoryStorageWriter, storage_info
-from ml_flashpoint_nemo.errors import BaseDirError, CorruptCheckpointError, UnsupportedValueError, VersionExistsError
+from ml_flashpoint_nemo.errors import (
+    BaseDirError,
+    CorruptCheckpointError,
+    OutOfSpaceError,
+    UnsupportedValueError,
+    VersionExistsError,
+)
 from tests.support.dcp_scenarios import reader_paths
 from tests.support.multiproc import run_world
 
@@ -433,3 +439,28 @@ def test_metadata_bytes_are_reused_only_while_the_structure_repeats(base_dir, pl
         meta = reader.read_metadata().storage_meta  # not in the file: from the path and the commit record
         assert meta.checkpoint_id == str(base_dir / f"step-{step}") and meta.load_id == reader.load_id
         assert meta.save_id == read_commit(CheckpointLayout(base_dir), step).metadata["save_id"]
+
+
+def test_metadata_that_does_not_fit_fails_the_save_clearly_and_leaves_no_temporary(tmp_path):
+    """.metadata goes through versions.write_file_atomically: ENOSPC (from a real full tmpfs) becomes
+    OutOfSpaceError, the half-written temporary is removed, and the committed version before it still loads."""
+    from tests.support.tmpfs import mounted_tmpfs
+
+    # 20000 one-element tensors: an object of about 7.7 MB and a .metadata of about 3.3 MB, so in 20 MiB
+    # the second save's object still fits and its .metadata does not.
+    state = {f"t{i}": torch.full((1,), float(i)) for i in range(20000)}
+    with mounted_tmpfs(tmp_path / "tmpfs", "20m") as mount_point:
+        base = mount_point / "base"
+        writer = MemoryStorageWriter(base)
+        try:
+            dcp.save(state, checkpoint_id=base / "step-1", storage_writer=writer)
+            with pytest.raises((OutOfSpaceError, CheckpointException)) as info:
+                dcp.save(state, checkpoint_id=base / "step-2", storage_writer=writer)
+        finally:
+            writer.close()
+        assert "no space left for DCP's metadata of step 2" in str(info.value), info.value
+        assert not [n for n in (base / "step-2").iterdir() if n.name.startswith(".") and ".tmp-" in n.name]
+        assert committed_steps(CheckpointLayout(base)) == [1]
+        loaded = {key: torch.zeros(1) for key in state}
+        dcp.load(loaded, checkpoint_id=base / "step-1", storage_reader=MemoryStorageReader(base))
+        assert all(torch.equal(loaded[key], value) for key, value in state.items())

@@ -17,8 +17,8 @@ import pytest
 
 from ml_flashpoint_nemo.core import lifecycle
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
-from ml_flashpoint_nemo.core.manager import start_manager_warmup, wait_for_manager
 from ml_flashpoint_nemo.core.pool import BufferPool
+from ml_flashpoint_nemo.core.sync_manager import start_manager_warmup, wait_for_manager
 from tests.support.multiproc import run_world
 
 

@@ -13,9 +13,9 @@ from typing import Callable, Iterator
 
 import pytest
 
-from ml_flashpoint_nemo.core.manager import (
+from ml_flashpoint_nemo.core.sync_manager import (
     TIMEOUT_ENV,
-    ManagerFuture,
+    SyncManagerFuture,
     shutdown_manager,
     start_manager_warmup,
     wait_for_manager,
@@ -31,11 +31,11 @@ SUBPROCESS_TIMEOUT_S = 120
 
 
 @pytest.fixture
-def start() -> Iterator[Callable[..., ManagerFuture]]:
+def start() -> Iterator[Callable[..., SyncManagerFuture]]:
     """start_manager_warmup, with every future closed after the test."""
-    futures: list[ManagerFuture] = []
+    futures: list[SyncManagerFuture] = []
 
-    def _start(**kwargs: object) -> ManagerFuture:
+    def _start(**kwargs: object) -> SyncManagerFuture:
         future = start_manager_warmup(**kwargs)  # type: ignore[arg-type]
         futures.append(future)
         return future
@@ -45,7 +45,7 @@ def start() -> Iterator[Callable[..., ManagerFuture]]:
         future.close()
 
 
-def test_future_resolves_to_a_working_manager_that_close_shuts_down(start: Callable[..., ManagerFuture]) -> None:
+def test_future_resolves_to_a_working_manager_that_close_shuts_down(start: Callable[..., SyncManagerFuture]) -> None:
     began = time.perf_counter()
     future = start()
     returned_ms = (time.perf_counter() - began) * 1e3
@@ -76,7 +76,7 @@ def test_future_resolves_to_a_working_manager_that_close_shuts_down(start: Calla
     shutdown_manager(None)
 
 
-def test_start_failure_is_raised_with_its_cause(start: Callable[..., ManagerFuture]) -> None:
+def test_start_failure_is_raised_with_its_cause(start: Callable[..., SyncManagerFuture]) -> None:
     future = start(timeout=60.0, _server_hook=manager_hooks.fail)
     with pytest.raises(ManagerStartError, match="failed to start") as info:
         future.result(what="this test")
@@ -92,7 +92,7 @@ def test_start_failure_is_raised_with_its_cause(start: Callable[..., ManagerFutu
     shutdown_manager(future)
 
 
-def test_wait_timeout_abandons_the_start_and_kills_the_child(start: Callable[..., ManagerFuture]) -> None:
+def test_wait_timeout_abandons_the_start_and_kills_the_child(start: Callable[..., SyncManagerFuture]) -> None:
     future = start(timeout=1.5, _server_hook=manager_hooks.hang)
     with pytest.raises(ManagerStartError) as info:
         future.result(what="this test")
@@ -105,7 +105,7 @@ def test_wait_timeout_abandons_the_start_and_kills_the_child(start: Callable[...
     assert future.done() and future.cancel() is False
 
 
-def test_deadline_is_enforced_even_if_nobody_waits(start: Callable[..., ManagerFuture]) -> None:
+def test_deadline_is_enforced_even_if_nobody_waits(start: Callable[..., SyncManagerFuture]) -> None:
     future = start(timeout=1.0, _server_hook=manager_hooks.hang)
     closed = threading.Event()
     future.add_done_callback(lambda done: (done.close(), closed.set()))  # a callback may close: no deadlock
@@ -119,14 +119,14 @@ def test_deadline_is_enforced_even_if_nobody_waits(start: Callable[..., ManagerF
     assert future.pid is not None and wait_gone(future.pid)
 
 
-def test_a_short_wait_times_out_the_start(start: Callable[..., ManagerFuture]) -> None:
+def test_a_short_wait_times_out_the_start(start: Callable[..., SyncManagerFuture]) -> None:
     future = start(timeout=60.0, _server_hook=manager_hooks.hang)
     with pytest.raises(ManagerStartError, match="limit 0.2 s"):
         future.result(timeout=0.2, what="this test")
     assert future.pid is None or wait_gone(future.pid)
 
 
-def test_close_during_the_start_abandons_it(start: Callable[..., ManagerFuture]) -> None:
+def test_close_during_the_start_abandons_it(start: Callable[..., SyncManagerFuture]) -> None:
     future = start(timeout=60.0, _server_hook=manager_hooks.hang)
     give_up = time.monotonic() + 20  # let the child be launched, so there is something to kill
     while future.pid is None and time.monotonic() < give_up:
@@ -140,7 +140,7 @@ def test_close_during_the_start_abandons_it(start: Callable[..., ManagerFuture])
 
 
 def test_timeout_comes_from_the_environment(
-    start: Callable[..., ManagerFuture], monkeypatch: pytest.MonkeyPatch
+    start: Callable[..., SyncManagerFuture], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(TIMEOUT_ENV, "7.5")
     assert start().timeout == 7.5
@@ -189,7 +189,7 @@ def test_manager_dies_with_its_sigkilled_parent(mode: str) -> None:
 )
 def test_unguarded_main_scripts_are_recognised(tmp_path: Path, script: str, unguarded: bool) -> None:
     path = tmp_path / "train.py"
-    path.write_text(script + "\nfrom ml_flashpoint_nemo.core.manager import unguarded_main_script\n"
+    path.write_text(script + "\nfrom ml_flashpoint_nemo.core.sync_manager import unguarded_main_script\n"
                     "print('RESULT', unguarded_main_script())\n")
     result = subprocess.run([sys.executable, str(path)], cwd=REPO, capture_output=True, text=True,
                             timeout=SUBPROCESS_TIMEOUT_S, env=dict(os.environ, PYTHONPATH=str(REPO)))

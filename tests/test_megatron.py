@@ -9,13 +9,13 @@ import time
 
 import pytest
 
-from ml_flashpoint_nemo.errors import ChecksumError
 from ml_flashpoint_nemo.core import committed_steps, verify_version
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.version_files import MEGATRON_CONFIG_BYTES, MEGATRON_CONFIG_NAME
-from tests.test_cli import flashpoint
+from ml_flashpoint_nemo.errors import ChecksumError
 from tests.support.multiproc import run_world
 from tests.support.orphans import assert_helper_dies_with_parent
+from tests.test_cli import flashpoint
 
 
 def run(scenario: str, world_size: int, **params) -> list[str]:

@@ -1,7 +1,7 @@
 """Real NeMo trainers on 2 CPU ranks: train, RAM checkpoints, SIGKILL, restart, resume - and the fallbacks.
 
 Each run is 2 real rank processes (gloo) started by examples/launch.py; the CPU stand-ins for
-CUDA-only calls come from examples/cpu_shims.py (no GPU here). A resumed run must match an
+CUDA-only calls come from ml_flashpoint_nemo/testing/cpu_shims.py (no GPU here). A resumed run must match an
 uninterrupted one bit for bit: losses, parameters and optimizer state.
 """
 
@@ -26,10 +26,10 @@ from quickstart import compare  # noqa: E402
 STEPS = 8
 
 
-def train(out: Path, phase: str, base: Path, *flags: str, expect: int = 0) -> dict:
+def train(out: Path, phase: str, base: Path, *flags: str, expect: int = 0, steps: int = STEPS, nproc: int = 2) -> dict:
     code = launch_ranks(str(REPO / "tests" / "support" / "nemo_train.py"),
-                        ["--steps", str(STEPS), "--out", str(out / phase), "--base", str(base), *flags],
-                        timeout=400, log_dir=out / phase)
+                        ["--steps", str(steps), "--out", str(out / phase), "--base", str(base), *flags],
+                        nproc=nproc, timeout=400, log_dir=out / phase)
     log = (out / phase / "rank-0.log").read_text()
     assert code == expect, f"{phase} exited with {code}, expected {expect}\n{log[-4000:]}"
     result = out / phase / "result.json"
@@ -131,3 +131,47 @@ def test_replication_state_is_reported_through_the_trainers_logger(tmp_path, shm
     assert all(r <= c for r, c in zip(replicated, [2, 4, 6, 8])), replicated  # never ahead of the commits
     assert all(float(row["flashpoint/under_replicated_ranks"]) == 0 for row in committed), committed
     assert all(shm_dir.joinpath(f"node{r}", "step-8", "COMMIT").is_file() for r in (0, 1))
+
+
+def saved_and_resumed_states(out: Path) -> tuple[dict, dict]:
+    import torch
+
+    return (torch.load(out / "saved" / "state.pt", weights_only=True),
+            torch.load(out / "resume" / "resumed_state.pt", weights_only=True))
+
+
+@pytest.mark.parametrize("replica_kept", [True, False], ids=["replica-on-survivor", "piece-lost"])
+def test_trainer_restarted_on_fewer_ranks_resumes_from_ram_when_every_piece_is_held(tmp_path, shm_dir, replica_kept):
+    """Two nodes (a base directory per rank) train 4 steps, RAM saves every 2, replicated to each other.
+    Node 0 is then lost for good and the job restarts as 1 rank on node 1. With node 0's objects
+    replicated there, it resumes from RAM step 4 with exactly the saved parameters and optimizer state
+    (resharded from 2 data-parallel ranks to 1); with a piece lost, it falls back and logs why."""
+    saved = train(tmp_path, "saved", shm_dir / "node{rank}", "--every", "2", steps=4)
+    assert [s["step"] for s in saved["saves"]] == [2, 4], saved["saves"]
+    survivor = shm_dir / "node1"
+    assert (survivor / "step-4" / "rank-00000-0.fpo").is_file(), "replication did not reach node 1"
+    subprocess.run(["rm", "-rf", str(shm_dir / "node0")], check=True)  # the lost node and its RAM
+    if not replica_kept:
+        for replica in survivor.glob("step-*/rank-00000-*.fpo"):
+            replica.unlink()
+    resumed = train(tmp_path, "resume", survivor, "--every", "2", "--dump-resumed-state", steps=6, nproc=1)
+    if not replica_kept:
+        assert resumed["resumed_from"] == "none", resumed["resumed_path"]
+        assert "RAM checkpoint step 4 is not used" in resumed["log"], resumed["log"][-3000:]
+        assert "objects are not on this node, e.g. rank-00000-0.fpo" in resumed["log"], resumed["log"][-3000:]
+        assert "No RAM checkpoint usable on every rank" in resumed["log"], resumed["log"][-3000:]
+        return
+    assert resumed["resumed_from"] == "ram" and resumed["resumed_path"].endswith("step-4"), resumed
+    before, after = saved_and_resumed_states(tmp_path)
+    assert after["step"] == 4
+    for part in ("model", "optimizer"):
+        assert before[part].keys() == after[part].keys(), part
+        differ = [k for k, t in before[part].items() if not torch_equal(t, after[part][k])]
+        assert not differ, f"{part} tensors differ after the resume: {differ}"
+    assert [step for step, _ in resumed["losses"]] == [5, 6], resumed["losses"]
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return torch.equal(a, b)

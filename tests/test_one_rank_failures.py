@@ -46,3 +46,17 @@ def test_a_worker_that_cannot_be_inspected_on_one_rank_fails_its_save_everywhere
     for out in outputs:
         assert "OUTCOMES 1:ok 2:failed 3:ok" in out, out
     assert "rank 1: its save worker cannot be inspected (ValueError" in outputs[0], outputs[0]
+
+
+def test_choose_version_agrees_when_one_rank_cannot_take_its_inventory(shm_dir):
+    outputs = run_world("collective_scenarios", "choose_after_an_inventory_failure", 2, {"root": str(shm_dir)},
+                        timeout=DEADLINE_S)
+    assert all("CHOSEN None" in out for out in outputs), outputs
+    assert "cannot list its RAM checkpoint versions" in outputs[1], outputs[1]
+
+
+def test_choose_version_skips_a_version_whose_check_fails_unexpectedly_on_one_rank(shm_dir):
+    outputs = run_world("collective_scenarios", "choose_after_an_unexpected_check_failure", 2,
+                        {"root": str(shm_dir)}, timeout=DEADLINE_S)
+    assert all("CHOSEN None" in out for out in outputs), outputs
+    assert "rank 1: ValueError: an unexpected failure in the version check" in outputs[0], outputs[0]

@@ -91,5 +91,24 @@ def test_version_whose_only_copy_is_corrupt_is_skipped_everywhere(two_nodes):
     assert chosen(two_nodes, 2) == {"CHOSEN 1"}
 
 
-def test_saved_world_size_must_match(one_node):
-    assert chosen(one_node, 4) == {"CHOSEN None"}
+@pytest.mark.parametrize("world_size", [1, 4])
+def test_version_saved_by_another_world_size_is_chosen_when_every_object_is_there(one_node, world_size):
+    """Elastic restart: the load strategies reshard, so the newest complete version is taken (it was refused)."""
+    assert chosen(one_node, world_size) == {"CHOSEN 2"}
+
+
+def test_at_another_world_size_the_objects_of_ranks_gone_are_checked_too(one_node):
+    """A 1-rank restart reads old rank 1's object as well: a flipped byte there skips the version."""
+    flip(Path(one_node[0]) / "step-2" / "rank-00001-0.fpo")
+    assert chosen(one_node, 1) == {"CHOSEN 1"}
+
+
+def test_node_left_alone_resumes_only_with_the_lost_nodes_objects(two_nodes):
+    """Node 0 is lost for good and the job restarts on node 1 alone: with node 0's objects replicated
+    there it resumes from RAM; without them no version is complete and the job falls back."""
+    survivor = two_nodes[1:]
+    for replica in Path(survivor[0]).glob("step-*/rank-00000-*.fpo"):  # what replication may have pushed
+        replica.unlink()
+    assert chosen(survivor, 1) == {"CHOSEN None"}
+    exchange_objects(two_nodes)
+    assert chosen(survivor, 1) == {"CHOSEN 2"}

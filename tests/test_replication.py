@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from ml_flashpoint_nemo.core.layout import CheckpointLayout, object_name
-from ml_flashpoint_nemo.core.topology import NodeTopology
 from ml_flashpoint_nemo.cli.common import scan_replica_spares
 from ml_flashpoint_nemo.cli.ls import scan_versions
+from ml_flashpoint_nemo.core.layout import CheckpointLayout, object_name
 from ml_flashpoint_nemo.core.loader import open_object
+from ml_flashpoint_nemo.core.topology import NodeTopology
 from ml_flashpoint_nemo.core.versions import committed_steps, list_versions, read_commit, retire_version
 from ml_flashpoint_nemo.replication.placement import holder_nodes, push_targets, target_nodes
 from ml_flashpoint_nemo.replication.service import prune_foreign_objects

@@ -22,7 +22,7 @@ os.killpg(<rank pid>, SIGTERM) (torch elastic's SubprocessHandler starts each ra
 session), which would also kill a dead rank's helpers and hide an orphan; so the launchers run with
 --monitor-interval 10, the test polls the helpers every 0.1 s after the kill, and it asserts that
 our Manager was gone before the launcher logged the failure ("failed (exitcode: ..."). What cleans up is therefore the
-helpers' own mechanism: our Manager (ml_flashpoint_nemo.core.manager) has PR_SET_PDEATHSIG(SIGKILL)
+helpers' own mechanism: our Manager (ml_flashpoint_nemo.core.sync_manager) has PR_SET_PDEATHSIG(SIGKILL)
 and a parent-pipe watchdog; the stdlib resource tracker exits when the last process holding its
 pipe (the rank and its spawned children) is gone. The test asserts on our Manager; other helpers
 are printed, and the resource tracker is asserted only when no other helper survived (it

@@ -291,3 +291,24 @@ def test_whole_object_crc_is_none_for_objects_without_zeroed_padding_and_checks_
             whole_object_crc32c(fd, str(path), dataclasses.replace(record, crc32c=record.crc32c ^ 1))
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("steps, committed, keep, expected", [
+    ([], [], 1, []),
+    ([1, 2, 3], [], 1, []),  # nothing committed: every directory may be a save in progress
+    ([1, 2, 3], [1, 2, 3], 1, [1, 2]),
+    ([1, 2, 3], [1, 2, 3], 5, []),
+    ([1, 2, 3, 4, 9], [1, 3, 4], 2, [1, 2]),  # 2: an older uncommitted leftover; 9: newer, may be being written
+    ([5, 1, 3, 3], [3, 1, 5], 1, [1, 3]),  # any order, duplicates
+])
+def test_superseded_steps_is_the_retention_policy(steps, committed, keep, expected):
+    from ml_flashpoint_nemo.core.versions import superseded_steps
+
+    assert superseded_steps(steps, committed, keep=keep) == expected
+
+
+def test_superseded_steps_never_lets_the_newest_committed_version_go():
+    from ml_flashpoint_nemo.core.versions import superseded_steps
+
+    with pytest.raises(ValueError, match="keep must be >= 1"):
+        superseded_steps([1, 2], [1, 2], keep=0)

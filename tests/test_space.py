@@ -7,8 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ml_flashpoint_nemo.core import CheckpointSaver
-from ml_flashpoint_nemo.core import space
+from ml_flashpoint_nemo.core import CheckpointSaver, space
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.version_files import FILES_KEY, describe_bytes
 from ml_flashpoint_nemo.core.versions import read_commit, write_commit

@@ -427,8 +427,12 @@ def test_stop_leaves_no_threads_or_fds(dirs):
     srv = _core.TransferServer(base, SECRET, max_connections=3, io_timeout_s=30)
     assert count_threads() == threads + 4  # 3 workers + the accept loop
     _core.transfer_push(HOST, srv.port, SECRET, client, "o.fpo")
+    accepted = srv.stats()["accepted"]
     hanging = [socket.create_connection((HOST, srv.port)) for _ in range(5)]  # busy workers + queued
-    time.sleep(0.2)
+    deadline = time.monotonic() + 10  # until the server has accepted all five (handed to workers or queued)
+    while srv.stats()["accepted"] < accepted + len(hanging) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert srv.stats()["accepted"] == accepted + len(hanging)
     t0 = time.monotonic()
     srv.stop()
     assert time.monotonic() - t0 < 2  # does not wait for the 30 s io timeout
@@ -647,7 +651,7 @@ def test_concurrent_receptions_never_share_a_spare(dirs, spare_server):
     for i in range(3):
         add_spare(base, f"s{i}", 2 * MiB)
     payloads = {f"step-9/rank-{i:05d}-0.fpo": os.urandom(MiB + i) for i in range(8)}
-    for i, (name, data) in enumerate(payloads.items()):
+    for i, data in enumerate(payloads.values()):
         write_object(client, f"src{i}.fpo", data)
     errors: list[BaseException] = []
 

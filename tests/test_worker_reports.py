@@ -7,8 +7,8 @@ import queue
 
 import pytest
 
-from ml_flashpoint_nemo.core.manager import shutdown_manager, start_manager_warmup, wait_for_manager
 from ml_flashpoint_nemo.core.saver import SealJob
+from ml_flashpoint_nemo.core.sync_manager import shutdown_manager, start_manager_warmup, wait_for_manager
 from ml_flashpoint_nemo.errors import FlashpointError
 from ml_flashpoint_nemo.megatron import worker_reports
 from ml_flashpoint_nemo.megatron.worker_reports import WorkerReports, seal_and_report

@@ -89,8 +89,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message="The pynvml package is deprecated")
     parser = build_parser()
     args = parser.parse_args(argv)  # exits 2 on usage errors, like every other usage error here
-    from ml_flashpoint_nemo.errors import (CorruptCheckpointError, FlashpointError, FormatVersionError,
-                                           VersionNotFoundError)
+    from ml_flashpoint_nemo.errors import (
+        CorruptCheckpointError,
+        FlashpointError,
+        FormatVersionError,
+        VersionNotFoundError,
+    )
 
     if args.command == "ls":
         from ml_flashpoint_nemo.cli.ls import run

@@ -15,8 +15,6 @@ import argparse
 import os
 from typing import Any
 
-from ml_flashpoint_nemo.core.trees import tree_bytes
-from ml_flashpoint_nemo.core.versions import retire_version
 from ml_flashpoint_nemo.cli.common import (
     EXIT_BUSY,
     EXIT_FAILED,
@@ -28,6 +26,9 @@ from ml_flashpoint_nemo.cli.common import (
     print_json,
 )
 from ml_flashpoint_nemo.cli.ls import allocated_bytes, scan_versions
+from ml_flashpoint_nemo.core.layout import version_dir_name
+from ml_flashpoint_nemo.core.trees import tree_bytes
+from ml_flashpoint_nemo.core.versions import retire_version, superseded_steps
 
 
 def _dir_bytes(path: Any) -> int:
@@ -49,18 +50,16 @@ def run(args: argparse.Namespace) -> int:
                 print_json({"base": str(layout.base_dir), "refused": message, "busy_ranks": [r for r, _ in locks.busy]})
             raise CliError(message, EXIT_BUSY)
         versions = scan_versions(layout)
-        committed = [v for v in versions if v.committed]
-        survivors = {v.step for v in committed[-args.keep:]}
-        newest = committed[-1].step if committed else None
+        committed = [v.step for v in versions if v.committed]
+        newest = max(committed, default=None)
+        superseded = set(superseded_steps([v.step for v in versions], committed, keep=args.keep))  # as savers decide
         actions: list[dict[str, Any]] = []
         kept: list[dict[str, Any]] = []
         for v in versions:
-            if v.committed and v.step not in survivors:
-                actions.append({"step": v.step, "path": str(v.path), "what": "version",
-                                "reason": f"committed, superseded: keeping the newest {args.keep}"})
-            elif not v.committed and newest is not None and v.step < newest:
-                actions.append({"step": v.step, "path": str(v.path), "what": "version",
-                                "reason": "uncommitted leftover of an unfinished save"})
+            if v.step in superseded:
+                reason = (f"committed, superseded: keeping the newest {args.keep}" if v.committed else
+                          "uncommitted leftover of an unfinished save")
+                actions.append({"step": v.step, "path": str(v.path), "what": "version", "reason": reason})
             elif not v.committed:
                 kept.append({"step": v.step, "reason": "uncommitted and newer than every committed version: "
                                                        "a save may be writing it" if newest is not None else
@@ -91,13 +90,13 @@ def run(args: argparse.Namespace) -> int:
                     "kept_uncommitted": kept, "forced_past_busy_ranks": [r for r, _ in locks.busy]})
     else:
         for a in actions:
-            what = f"step-{a['step']}" if a["what"] == "version" else a["path"]
+            what = version_dir_name(a["step"]) if a["what"] == "version" else a["path"]
             status = f" FAILED: {a['error']}" if "error" in a else ""
             print(f"{verb} {what} ({a['reason']}, {human_bytes(a['nbytes'])}){status}")
         for k in kept:
-            print(f"kept step-{k['step']} ({k['reason']})")
+            print(f"kept {version_dir_name(k['step'])} ({k['reason']})")
         if newest is not None:
-            print(f"newest committed version: step-{newest} (never removed)")
+            print(f"newest committed version: {version_dir_name(newest)} (never removed)")
         total = sum(a["nbytes"] for a in actions if "error" not in a)
         print(f"{verb} {len(actions) - len(failures)} item(s), {human_bytes(total)}" if actions else
               "nothing to remove")

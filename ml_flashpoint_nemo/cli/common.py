@@ -9,14 +9,21 @@ import errno
 import fcntl
 import json
 import os
-import re
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, TextIO
 
-from ml_flashpoint_nemo.core.layout import CheckpointLayout
+from ml_flashpoint_nemo.core.layout import (
+    LOCK_NAME,
+    POOL_DIR,
+    VERSION_DIR_PREFIX,
+    CheckpointLayout,
+    is_buffer_name,
+    rank_of_pool_dir,
+    step_of_version_dir,
+)
 
 # Exit codes (documented in `flashpoint --help`).
 EXIT_OK = 0
@@ -36,10 +43,6 @@ EXIT_CODES_HELP = """exit codes:
   5  unsupported format (verify, export): a file was written in a checkpoint format this
      release cannot read, e.g. by a newer release; it is not corrupt, read it with that release"""
 
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-_POOL_RANK_DIR = re.compile(r"^rank-(\d+)$")
-LOCK_NAME = ".lock"
-BUFFER_PREFIX = "buf-"
 
 
 class CliError(Exception):
@@ -64,7 +67,7 @@ def open_base(path: str) -> CheckpointLayout:
         names = os.listdir(base)
     except OSError as exc:
         raise CliError(f"cannot list {base}: {exc.strerror}", EXIT_FAILED) from None
-    if names and "pool" not in names and not any(_STEP_DIR.match(n) for n in names):
+    if names and POOL_DIR not in names and not any(step_of_version_dir(n) is not None for n in names):
         raise CliError(
             f"{base} is not a flashpoint base directory: it holds neither pool/ nor step-<N>/ directories"
         )
@@ -73,7 +76,7 @@ def open_base(path: str) -> CheckpointLayout:
 
 def parse_step(text: str) -> int:
     """A step given on the command line: N or step-N."""
-    raw = text[len("step-"):] if text.startswith("step-") else text
+    raw = text.removeprefix(VERSION_DIR_PREFIX)
     if not raw.isdigit():
         raise CliError(f"STEP must be a non-negative integer (or step-<N>), got {text!r}")
     return int(raw)
@@ -103,12 +106,12 @@ class PoolRank:
 
 
 def pool_ranks(layout: CheckpointLayout) -> list[tuple[int, Path]]:
-    pool = layout.base_dir / "pool"
+    pool = layout.pool_root
     try:
         names = os.listdir(pool)
     except (FileNotFoundError, NotADirectoryError):
         return []
-    found = [(int(m.group(1)), pool / n) for n in names if (m := _POOL_RANK_DIR.match(n))]
+    found = [(rank, pool / n) for n in names if (rank := rank_of_pool_dir(n)) is not None]
     return sorted(found)
 
 
@@ -123,7 +126,7 @@ def scan_pool(layout: CheckpointLayout) -> list[PoolRank]:
         except OSError:
             entries = []
         for entry in entries:
-            if entry.name.startswith(BUFFER_PREFIX):
+            if is_buffer_name(entry.name):
                 try:
                     st = entry.stat(follow_symlinks=False)
                     nbytes += st.st_blocks * 512

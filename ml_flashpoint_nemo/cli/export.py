@@ -19,7 +19,6 @@ Mapping:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import io
 import os
 import shutil
@@ -28,9 +27,8 @@ import sys
 import time
 import uuid
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ml_flashpoint_nemo.cli.common import (
     EXIT_OK,
@@ -39,10 +37,19 @@ from ml_flashpoint_nemo.cli.common import (
     open_base,
     parse_step,
 )
+from ml_flashpoint_nemo.core.layout import DCP_METADATA_NAME, MEGATRON_CONFIG_NAME
 from ml_flashpoint_nemo.core.versions import fsync_directory
+from ml_flashpoint_nemo.dcp.conversion import (
+    Read,
+    fill_sizes,
+    make_planner,
+    offset_key,
+    plan_core_version,
+    plan_dcp_version,
+)
 
 _READ_BATCH_BYTES = 64 << 20  # progress granularity: records are read in batches of about this size
-_SKIPPED_VERSION_FILES = {".metadata", "metadata.json"}
+_SKIPPED_VERSION_FILES = {DCP_METADATA_NAME, MEGATRON_CONFIG_NAME}
 
 
 class Progress:
@@ -82,135 +89,7 @@ class Progress:
             sys.stderr.flush()
 
 
-@dataclass
-class _Read:
-    """One record to read: into `tensor` (a tensor record) or as bytes (tensor None)."""
-
-    key: str  # record key in the object
-    fqn: str  # DCP fully qualified name in the export
-    offset: tuple[int, ...] | None  # chunk offsets (None for bytes)
-    tensor: Any = None
-    nbytes: int = 0
-
-
-def _offset_key(offset: Any) -> tuple[int, ...] | None:
-    return None if offset is None else tuple(int(x) for x in offset)
-
-
-def _plan_dcp_version(layout: Any, commit: Any) -> tuple[dict[str, list[_Read]], list[Any], dict, Any, bool]:
-    """Reads per object, write items, planner data and the original DCP metadata of a DCP-kind version."""
-    import torch
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex
-    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-
-    from ml_flashpoint_nemo.core.version_files import read_checked_file
-    from ml_flashpoint_nemo.dcp.metadata_file import decode_metadata
-    from ml_flashpoint_nemo.dcp.storage_info import DCP_METADATA_NAME, item_location
-    from ml_flashpoint_nemo.errors import CorruptCheckpointError
-
-    # verified against the commit record before it is unpickled (as MemoryStorageReader does)
-    metadata = decode_metadata(read_checked_file(layout, commit, DCP_METADATA_NAME), commit.step)
-    storage = {(index.fqn, _offset_key(index.offset)): item_location(value, index, commit.step)
-               for index, value in (metadata.storage_data or {}).items()}
-    per_object: dict[str, list[_Read]] = {}
-    items = []
-    for fqn, stored in metadata.state_dict_metadata.items():
-        if isinstance(stored, BytesStorageMetadata):
-            location = storage.get((fqn, None))
-            if location is None:
-                raise CorruptCheckpointError(f"{fqn} has no storage data in version {commit.step}")
-            name, key = location
-            per_object.setdefault(name, []).append(_Read(key, fqn, None))
-            items.append(WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO))
-            continue
-        dtype = stored.properties.dtype
-        whole = len(stored.chunks) == 1 and not any(stored.chunks[0].offsets) and \
-            tuple(stored.chunks[0].sizes) == tuple(stored.size)
-        for chunk in stored.chunks:
-            offset = _offset_key(chunk.offsets)
-            tensor = torch.empty(tuple(chunk.sizes), dtype=dtype)
-            read = _Read("", fqn, offset, tensor, tensor.numel() * tensor.element_size())
-            location = storage.get((fqn, offset))
-            if location is not None:
-                name, read.key = location
-                per_object.setdefault(name, []).append(read)
-            elif tensor.numel():
-                raise CorruptCheckpointError(f"{fqn} (chunk at {list(offset or ())}) has no storage data in "
-                                             f"version {commit.step}")
-            else:
-                per_object.setdefault("", []).append(read)  # nothing to read: an empty chunk
-            items.append(WriteItem(
-                index=MetadataIndex(fqn, torch.Size(offset or ())),
-                type=WriteItemType.TENSOR if whole else WriteItemType.SHARD,
-                tensor_data=TensorWriteData(
-                    chunk=ChunkStorageMetadata(offsets=torch.Size(chunk.offsets), sizes=torch.Size(chunk.sizes)),
-                    properties=stored.properties,
-                    size=torch.Size(stored.size),
-                ),
-            ))
-    planner_data = metadata.planner_data if isinstance(metadata.planner_data, dict) else \
-        {fqn: (fqn,) for fqn in metadata.state_dict_metadata}
-    return per_object, items, planner_data, metadata, True
-
-
-def _plan_core_version(layout: Any, commit: Any) -> tuple[dict[str, list[_Read]], list[Any], dict, Any, bool]:
-    """Reads per object and write items of a core-kind version (per-rank state dicts)."""
-    import torch
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-
-    from ml_flashpoint_nemo.core.loader import open_object
-    from ml_flashpoint_nemo.core.values import dtype_from_name
-
-    ranks = sorted({o.rank for o in commit.objects})
-    per_object: dict[str, list[_Read]] = {}
-    items = []
-    seen: set[str] = set()
-    for record in commit.objects:
-        prefix = "" if len(ranks) == 1 else f"rank{record.rank}/"
-        with open_object(str(layout.object_path(commit.step, record.name)), record) as obj:  # verified index
-            for entry in obj.entries:
-                fqn = prefix + entry.key
-                if fqn in seen:
-                    from ml_flashpoint_nemo.errors import CorruptCheckpointError
-
-                    raise CorruptCheckpointError(f"key {entry.key!r} of rank {record.rank} is stored twice")
-                seen.add(fqn)
-                if entry.kind == "bytes":
-                    per_object.setdefault(record.name, []).append(_Read(entry.key, fqn, None, nbytes=entry.nbytes))
-                    items.append(WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO))
-                    continue
-                tensor = torch.empty(entry.shape, dtype=dtype_from_name(entry.dtype))
-                offset = (0,) * len(entry.shape)
-                per_object.setdefault(record.name, []).append(_Read(entry.key, fqn, offset, tensor, entry.nbytes))
-                items.append(WriteItem(
-                    index=MetadataIndex(fqn, torch.Size(offset)),
-                    type=WriteItemType.TENSOR,
-                    tensor_data=TensorWriteData(
-                        chunk=ChunkStorageMetadata(offsets=torch.Size(offset), sizes=torch.Size(entry.shape)),
-                        properties=TensorProperties.create_from_tensor(tensor),
-                        size=torch.Size(entry.shape),
-                    ),
-                ))
-    return per_object, items, {fqn: (fqn,) for fqn in seen}, None, False
-
-
-def _fill_sizes(layout: Any, commit: Any, per_object: dict[str, list[_Read]]) -> None:
-    """Sizes of the bytes records to read, from their objects' indexes (checked against the commit record)."""
-    from ml_flashpoint_nemo.core.loader import open_object
-
-    records = {o.name: o for o in commit.objects}
-    for name, reads in per_object.items():
-        if name not in records or all(r.tensor is not None for r in reads):
-            continue
-        with open_object(str(layout.object_path(commit.step, name)), records[name]) as obj:
-            sizes = {e.key: e.nbytes for e in obj.entries}
-        for r in reads:
-            if r.tensor is None:
-                r.nbytes = sizes.get(r.key, 0)
-
-
-def _read_all(layout: Any, commit: Any, per_object: dict[str, list[_Read]], raw_bytes: bool,
+def _read_all(layout: Any, commit: Any, per_object: dict[str, list[Read]], raw_bytes: bool,
               progress: Progress, threads: int | None) -> dict[tuple[str, Any], Any]:
     """Every record, read and verified: {(fqn, offset): tensor | serialized bytes}."""
     import torch
@@ -227,7 +106,7 @@ def _read_all(layout: Any, commit: Any, per_object: dict[str, list[_Read]], raw_
         if name not in records:
             raise CorruptCheckpointError(f"object {name} is not listed in the commit record of step {commit.step}")
         with open_object(str(layout.object_path(commit.step, name)), records[name]) as obj:
-            batch: list[_Read] = []
+            batch: list[Read] = []
             batch_bytes = 0
             for i, read in enumerate(reads):
                 batch.append(read)
@@ -251,48 +130,6 @@ def _read_all(layout: Any, commit: Any, per_object: dict[str, list[_Read]], raw_
     return data
 
 
-def _make_planner(items: list[Any], data: dict[tuple[str, Any], Any], planner_data: dict,
-                  original: Any, on_write: Callable[[int], None]) -> Any:
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-    from torch.distributed.checkpoint.metadata import Metadata
-    from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
-
-    class ExportPlanner(DefaultSavePlanner):
-        """Plans exactly the given items (chunks as stored) and hands out already-read data."""
-
-        def __init__(self) -> None:
-            super().__init__(flatten_state_dict=True, flatten_sharded_tensors=False)
-
-        def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:
-            self.state_dict = {}
-            self.mappings = planner_data
-            self.is_coordinator = is_coordinator
-
-        def create_local_plan(self) -> SavePlan:
-            self.plan = SavePlan(list(items), planner_data=planner_data)
-            return self.plan
-
-        def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-            plans, metadata = super().create_global_plan(all_plans)
-            if original is not None:  # attributes a framework added to DCP's metadata (e.g. Megatron's)
-                known = {f.name for f in dataclasses.fields(Metadata)}
-                for attr, value in vars(original).items():
-                    if attr not in known:
-                        setattr(metadata, attr, value)
-            self.metadata = metadata
-            return plans, metadata
-
-        def resolve_data(self, write_item: Any) -> Any:
-            value = data[(write_item.index.fqn, _offset_key(write_item.index.offset))]
-            if write_item.type == WriteItemType.BYTE_IO:
-                on_write(len(value))
-                return io.BytesIO(value)
-            on_write(value.numel() * value.element_size())
-            return value
-
-    return ExportPlanner()
-
-
 def export_version(base: str, step: int, dest_dir: Path, *, threads: int | None, progress_enabled: bool) -> dict:
     """Write version `step` of base into dest_dir (an empty directory); returns a summary."""
     import torch.distributed.checkpoint as dcp
@@ -305,15 +142,15 @@ def export_version(base: str, step: int, dest_dir: Path, *, threads: int | None,
     layout = CheckpointLayout(base)
     commit = read_commit(layout, step)
     is_dcp = commit.metadata.get("kind") == "dcp"
-    plan = _plan_dcp_version if is_dcp else _plan_core_version
+    plan = plan_dcp_version if is_dcp else plan_core_version
     per_object, items, planner_data, original, raw_bytes = plan(layout, commit)
-    _fill_sizes(layout, commit, per_object)
+    fill_sizes(layout, commit, per_object)
     total = sum(r.nbytes for reads in per_object.values() for r in reads)
     progress = Progress(2 * total, f"export step {step}", progress_enabled)
     try:
         data = _read_all(layout, commit, per_object, raw_bytes, progress, threads)
-        planner = _make_planner(items, data, planner_data, original,
-                                lambda n: progress.advance(n if n else 0))
+        planner = make_planner(items, lambda item: data[(item.index.fqn, offset_key(item.index.offset))],
+                               planner_data, original, lambda n: progress.advance(n if n else 0))
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             warnings.filterwarnings("ignore", message=".*no_dist.*")

@@ -8,10 +8,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ml_flashpoint_nemo.core.format import CommitRecord
-from ml_flashpoint_nemo.core.layout import COMMIT_NAME, CheckpointLayout, filesystem_type, rank_of_object
-from ml_flashpoint_nemo.core.versions import read_commit
-from ml_flashpoint_nemo.errors import CorruptCheckpointError, FormatVersionError, VersionNotFoundError
 from ml_flashpoint_nemo.cli.common import (
     EXIT_OK,
     compact_ranks,
@@ -24,6 +20,16 @@ from ml_flashpoint_nemo.cli.common import (
     scan_pool,
     scan_replica_spares,
 )
+from ml_flashpoint_nemo.core.format import CommitRecord
+from ml_flashpoint_nemo.core.layout import (
+    COMMIT_NAME,
+    CheckpointLayout,
+    filesystem_type,
+    is_temporary_name,
+    rank_of_object,
+)
+from ml_flashpoint_nemo.core.versions import read_commit, superseded_steps
+from ml_flashpoint_nemo.errors import CorruptCheckpointError, FormatVersionError, VersionNotFoundError
 
 UNKNOWN = "unknown"
 
@@ -45,11 +51,6 @@ def replication_state(layout: CheckpointLayout, record: CommitRecord | None) -> 
 def allocated_bytes(st: os.stat_result) -> int:
     """Bytes a file takes in its filesystem (a pool buffer is larger than the object it holds)."""
     return st.st_blocks * 512 if hasattr(st, "st_blocks") else st.st_size
-
-
-def is_temp_name(name: str) -> bool:
-    """A file being written atomically (`.COMMIT.tmp-<pid>-<hex>`, `.metadata.tmp-<pid>`): ignored by readers."""
-    return name.startswith(".") and ".tmp-" in name
 
 
 @dataclass
@@ -152,7 +153,7 @@ def scan_versions(layout: CheckpointLayout) -> list[VersionEntry]:
             allocated += allocated_bytes(st)
             if rank_of_object(name) is not None:
                 objects[name] = st.st_size
-        temps = sorted(n for n in names if is_temp_name(n))
+        temps = sorted(n for n in names if is_temporary_name(n))
         entry = VersionEntry(step, directory, "uncommitted", object_files=objects, temp_files=temps, mtime=mtime,
                              allocated=allocated)
         if COMMIT_NAME in names:
@@ -163,10 +164,9 @@ def scan_versions(layout: CheckpointLayout) -> list[VersionEntry]:
                 entry.state = "unreadable"
                 entry.error = str(exc)
         entries.append(entry)
-    committed = [e.step for e in entries if e.committed]
-    newest = committed[-1] if committed else None
-    for e in entries:
-        e.leftover = not e.committed and newest is not None and e.step < newest
+    superseded = set(superseded_steps([e.step for e in entries], [e.step for e in entries if e.committed], keep=1))
+    for version in entries:
+        version.leftover = not version.committed and version.step in superseded
     return entries
 
 

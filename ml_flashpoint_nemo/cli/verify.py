@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ml_flashpoint_nemo.core.layout import CheckpointLayout
-from ml_flashpoint_nemo.core.versions import committed_steps, read_commit
 from ml_flashpoint_nemo.cli.common import (
     EXIT_CORRUPT,
     EXIT_FAILED,
@@ -18,6 +16,8 @@ from ml_flashpoint_nemo.cli.common import (
     parse_step,
     print_json,
 )
+from ml_flashpoint_nemo.core.layout import CheckpointLayout
+from ml_flashpoint_nemo.core.versions import committed_steps, read_commit
 from ml_flashpoint_nemo.errors import CorruptCheckpointError, FlashpointError, FormatVersionError
 
 

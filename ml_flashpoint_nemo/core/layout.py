@@ -5,6 +5,13 @@
     <base>/pool/replica-spares/spare-<hex>     files of retired replicas, overwritten by the next received one
     <base>/step-<N>/rank-<R:05d>-<i>.fpo       object i written by rank R for version N
     <base>/step-<N>/COMMIT                     commit record; without it version N does not exist
+    <base>/step-<N>/.drain-hold-<R>            rank R is copying version N to durable storage: not retired yet
+    <base>/step-<N>/.<name>.tmp-<pid>-<hex>    a file being written atomically (ignored by readers)
+    <base>/step-<N>/.metadata                  DCP's metadata (DCP and Megatron adapters)
+    <base>/step-<N>/metadata.json, common.pt   Megatron's config and common state (Megatron adapter)
+
+This module owns these names: every other module builds and recognises them through it
+(tests/test_layering.py checks that no literal of them appears elsewhere).
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,9 +31,72 @@ COMMIT_NAME = "COMMIT"
 POOL_DIR = "pool"
 REPLICA_SPARES = f"{POOL_DIR}/replica-spares"  # relative to the base directory (the transfer server's form)
 OBJECT_SUFFIX = ".fpo"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
+LOCK_NAME = ".lock"
+HOLD_PREFIX = ".drain-hold-"
+BUFFER_PREFIX = "buf-"
+SPARE_PREFIX = "spare-"
+VERSION_DIR_PREFIX = "step-"
+DCP_METADATA_NAME = ".metadata"
+# Megatron's names (megatron.core.dist_checkpointing CONFIG_FNAME and COMMON_STATE_FNAME; the Megatron
+# adapter's tests check they agree), known here so that core and the CLI need no Megatron.
+MEGATRON_CONFIG_NAME = "metadata.json"
+MEGATRON_COMMON_NAME = "common.pt"
+_TEMPORARY_MARK = ".tmp-"
+_STEP_DIR = re.compile(r"step-(0|[1-9][0-9]*)", re.ASCII)  # canonical: version_dir_name(N) and nothing else
+_POOL_RANK_DIR = re.compile(r"rank-(\d+)", re.ASCII)
 _OBJECT_NAME = re.compile(r"^rank-(\d+)-(\d+)\.fpo$")
 _MEMORY_FILESYSTEMS = {"tmpfs", "ramfs", "hugetlbfs"}
+
+
+def version_dir_name(step: int) -> str:
+    """The directory name of version `step` (decimal, no padding)."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return f"{VERSION_DIR_PREFIX}{step}"
+
+
+def step_of_version_dir(name: str) -> int | None:
+    """The step a version directory name stands for, or None (also for non-canonical names like step-07)."""
+    match = _STEP_DIR.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def version_relpath(step: int, name: str) -> str:
+    """A version-level file or object relative to the base directory (the transfer server's form)."""
+    return f"{version_dir_name(step)}/{name}"
+
+
+def pool_dir_name(rank: int) -> str:
+    return f"rank-{rank:05d}"
+
+
+def rank_of_pool_dir(name: str) -> int | None:
+    match = _POOL_RANK_DIR.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def buffer_name() -> str:
+    """A fresh name for a free pool buffer."""
+    return f"{BUFFER_PREFIX}{uuid.uuid4().hex}"
+
+
+def is_buffer_name(name: str) -> bool:
+    return name.startswith(BUFFER_PREFIX)
+
+
+def spare_name() -> str:
+    """A fresh name for a retired replica kept in the replica spare directory."""
+    return f"{SPARE_PREFIX}{uuid.uuid4().hex}"
+
+
+def temporary_name(name: str) -> str:
+    """Where a file `name` is written before it is renamed into place: hidden, unique to this process."""
+    return f".{name.lstrip('.')}{_TEMPORARY_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def is_temporary_name(name: str) -> bool:
+    """A file being written atomically (see temporary_name): ignored by readers."""
+    return name.startswith(".") and _TEMPORARY_MARK in name
 
 
 def object_name(rank: int, index: int = 0) -> str:
@@ -45,8 +116,9 @@ def version_file_name_problem(name: str) -> str | None:
     """
     if not name or len(name.encode("utf-8", "surrogatepass")) > 255 or "/" in name or "\0" in name:
         return "it must be a plain file name of 1 to 255 bytes"
-    if name in (".", "..", COMMIT_NAME) or name.startswith(".COMMIT.tmp") or _OBJECT_NAME.match(name):
-        return "it names a directory, the commit record or an object"
+    if name in (".", "..", COMMIT_NAME) or name.startswith(f".{COMMIT_NAME}.tmp") or is_temporary_name(name) \
+            or _OBJECT_NAME.match(name):
+        return "it names a directory, the commit record, a file being written or an object"
     return None
 
 
@@ -60,7 +132,12 @@ class CheckpointLayout:
         object.__setattr__(self, "base_dir", Path(base_dir).absolute())
 
     def pool_dir(self, rank: int) -> Path:
-        return self.base_dir / POOL_DIR / f"rank-{rank:05d}"
+        return self.pool_root / pool_dir_name(rank)
+
+    @property
+    def pool_root(self) -> Path:
+        """The directory of every rank's pool (and of the replica spares)."""
+        return self.base_dir / POOL_DIR
 
     @property
     def replica_spares_dir(self) -> Path:
@@ -68,9 +145,7 @@ class CheckpointLayout:
         return self.base_dir / REPLICA_SPARES
 
     def version_dir(self, step: int) -> Path:
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
-        return self.base_dir / f"step-{step}"
+        return self.base_dir / version_dir_name(step)
 
     def commit_path(self, step: int) -> Path:
         return self.version_dir(step) / COMMIT_NAME
@@ -78,14 +153,23 @@ class CheckpointLayout:
     def object_path(self, step: int, name: str) -> Path:
         return self.version_dir(step) / name
 
+    def hold_path(self, step: int, rank: int) -> Path:
+        """The file that keeps version `step` from being retired while rank `rank` drains it."""
+        return self.version_dir(step) / f"{HOLD_PREFIX}{rank}"
+
+    def is_held(self, step: int) -> bool:
+        try:
+            return any(name.startswith(HOLD_PREFIX) for name in os.listdir(self.version_dir(step)))
+        except FileNotFoundError:
+            return False
+
     def version_steps(self) -> list[int]:
         """Steps of every version directory, committed or not, oldest first."""
         try:
             names = os.listdir(self.base_dir)
         except FileNotFoundError:
             return []
-        steps = [int(m.group(1)) for m in map(_STEP_DIR.match, names) if m]
-        return sorted(steps)
+        return sorted(s for s in map(step_of_version_dir, names) if s is not None)
 
     def is_committed(self, step: int) -> bool:
         return self.commit_path(step).is_file()

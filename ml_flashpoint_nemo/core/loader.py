@@ -1,7 +1,8 @@
 """Reading versions back: straight from the object file into the destination, verified on the way.
 
-Data is read with pread into the destination tensor's own memory (one copy, no
-mmap page-table set-up) and checksummed chunk by chunk while it is in cache.
+Data is copied from a read-only mapping of the object file straight into the
+destination tensor's own memory, each 64 bytes loaded once, folded into the
+CRC32C and stored (one pass; files that cannot be mapped are pread instead).
 Nothing is returned unless every checksum matched: a mismatch raises
 ChecksumError naming the object and the key.
 """

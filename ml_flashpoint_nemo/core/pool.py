@@ -20,20 +20,17 @@ import fcntl
 import logging
 import os
 import threading
-import uuid
 from concurrent.futures import Future
 from pathlib import Path
 
 from ml_flashpoint_nemo import _core
 from ml_flashpoint_nemo.core import lifecycle
-from ml_flashpoint_nemo.core.layout import CheckpointLayout
+from ml_flashpoint_nemo.core.layout import BUFFER_PREFIX, LOCK_NAME, CheckpointLayout, buffer_name
 from ml_flashpoint_nemo.core.pinning import CudaHostRegistry
 from ml_flashpoint_nemo.errors import OutOfSpaceError, PoolBusyError
 
 logger = logging.getLogger(__name__)
 
-_BUFFER_PREFIX = "buf-"
-_LOCK_NAME = ".lock"
 _MIN_SLACK = 4 << 20
 
 
@@ -78,7 +75,7 @@ class BufferPool:
         lifecycle.register(self, BufferPool.close, f"buffer pool {self.directory}")
 
     def _take_lock(self) -> int:
-        fd = os.open(self.directory / _LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = os.open(self.directory / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -91,7 +88,7 @@ class BufferPool:
         return fd
 
     def _adopt_free_buffers(self) -> None:
-        for path in sorted(self.directory.glob(_BUFFER_PREFIX + "*")):
+        for path in sorted(self.directory.glob(BUFFER_PREFIX + "*")):
             try:
                 self._free.append(_core.ShmBuffer.open(str(path), writable=True))
             except (OSError, ValueError) as exc:
@@ -101,7 +98,7 @@ class BufferPool:
             logger.debug("Rank %d adopted %d free buffers from %s", self.rank, len(self._free), self.directory)
 
     def _new_buffer_path(self) -> str:
-        return str(self.directory / f"{_BUFFER_PREFIX}{uuid.uuid4().hex}")
+        return str(self.directory / buffer_name())
 
     @property
     def closed(self) -> bool:

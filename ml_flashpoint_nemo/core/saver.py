@@ -29,7 +29,7 @@ from ml_flashpoint_nemo.core.layout import CheckpointLayout, object_name
 from ml_flashpoint_nemo.core.pool import BufferPool, raise_if_out_of_space
 from ml_flashpoint_nemo.core.tuning import default_copy_threads
 from ml_flashpoint_nemo.core.values import PreparedValue, prepare_state
-from ml_flashpoint_nemo.core.versions import delete_superseded, retire_version, write_commit
+from ml_flashpoint_nemo.core.versions import retire_superseded, retire_version, write_commit
 from ml_flashpoint_nemo.errors import CorruptCheckpointError, FormatVersionError, VersionExistsError
 
 logger = logging.getLogger(__name__)
@@ -262,7 +262,7 @@ class CheckpointSaver:
         self.commit(step, [written.record], world_size=1, metadata=metadata)
         elapsed = time.perf_counter() - start
         if keep is not None:
-            delete_superseded(self.layout.base_dir, keep=keep, rank=self.rank, pool=self.pool)
+            retire_superseded(self.layout.base_dir, keep=keep, rank=self.rank, pool=self.pool)
         logger.debug("Saved step %d: %d bytes in %.3f s", step, written.data_nbytes, elapsed)
         return SaveResult(step, written.data_nbytes, elapsed, (written.record,))
 

@@ -18,7 +18,7 @@ from typing import Any, Iterable, Mapping
 
 from ml_flashpoint_nemo import _core
 from ml_flashpoint_nemo.core.format import FILES_KEY, CommitRecord
-from ml_flashpoint_nemo.core.layout import COMMIT_NAME, CheckpointLayout
+from ml_flashpoint_nemo.core.layout import COMMIT_NAME, MEGATRON_CONFIG_NAME, CheckpointLayout
 from ml_flashpoint_nemo.core.versions import fsync_directory, write_file_atomically
 from ml_flashpoint_nemo.errors import ChecksumError, CorruptCheckpointError, FlashpointError
 
@@ -44,7 +44,6 @@ def describe_files(directory: Path, names: Iterable[str]) -> dict[str, dict[str,
 # Megatron's metadata.json of a flashpoint version, byte for byte as megatron.core.dist_checkpointing's
 # save_config writes it (the Megatron adapter's test compares them). Known here, without Megatron, so
 # that the CLI repairs what the trainer repairs.
-MEGATRON_CONFIG_NAME = "metadata.json"
 MEGATRON_CONFIG_BYTES = json.dumps({"sharded_backend": "ml_flashpoint", "sharded_backend_version": 1,
                                     "common_backend": "torch", "common_backend_version": 1}).encode()
 

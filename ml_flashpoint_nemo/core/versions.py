@@ -11,13 +11,12 @@ from __future__ import annotations
 import logging
 import os
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from ml_flashpoint_nemo.core.format import CommitRecord, ObjectRecord
-from ml_flashpoint_nemo.core.layout import COMMIT_NAME, CheckpointLayout, rank_of_object
+from ml_flashpoint_nemo.core.layout import COMMIT_NAME, CheckpointLayout, rank_of_object, temporary_name
 from ml_flashpoint_nemo.core.pool import BufferPool, raise_if_out_of_space
 from ml_flashpoint_nemo.core.trees import remove_tree
 from ml_flashpoint_nemo.errors import CorruptCheckpointError, FormatVersionError, VersionNotFoundError
@@ -50,7 +49,7 @@ def write_commit(
 
 def write_file_atomically(directory: Path, name: str, data: bytes, what: str) -> None:
     """Write directory/name so that readers see the old file or the whole new one, never a part."""
-    temporary = directory / f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    temporary = directory / temporary_name(name)
     try:
         with open(temporary, "wb") as handle:
             handle.write(data)
@@ -116,12 +115,14 @@ def list_versions(base_dir: str | os.PathLike[str]) -> list[VersionInfo]:
     return infos
 
 
-def retire_version(layout: CheckpointLayout, step: int, *, rank: int | None, pool: BufferPool | None = None) -> None:
+def retire_version(layout: CheckpointLayout, step: int, *, rank: int | None, pool: BufferPool | None = None,
+                   world_size: int | None = None) -> None:
     """Remove a version: its commit record first, then the objects of `rank` (all ranks if None).
 
     Version-level files (commit record, adapter metadata) go with the first caller; objects
-    of other ranks are left to those ranks. With a pool, this rank's object files go back into
-    it for reuse instead of being deleted.
+    of other ranks are left to those ranks, except those of ranks >= world_size (a version
+    saved before the job restarted with fewer ranks: no rank would ever remove them). With a
+    pool, this rank's object files go back into it for reuse instead of being deleted.
     """
     directory = layout.version_dir(step)
     layout.commit_path(step).unlink(missing_ok=True)
@@ -130,7 +131,7 @@ def retire_version(layout: CheckpointLayout, step: int, *, rank: int | None, poo
         path = directory / name
         if owner is None:
             remove_tree(path)  # a file, or whatever a peer or a crash left (a directory, a deep tree)
-        elif rank is None or owner == rank:
+        elif rank is None or owner == rank or (world_size is not None and owner >= world_size):
             if pool is not None and owner == pool.rank and not path.is_dir():
                 pool.recycle(path)
             else:
@@ -154,25 +155,37 @@ def _list_dir(directory: Path) -> Iterable[str]:
         return []
 
 
-def delete_superseded(
-    base_dir: str | os.PathLike[str], *, keep: int = 1, rank: int | None = None, pool: BufferPool | None = None
-) -> list[int]:
-    """Retire all but the newest `keep` committed versions, and uncommitted leftovers older than the newest.
+def superseded_steps(steps: Iterable[int], committed: Iterable[int], *, keep: int) -> list[int]:
+    """The retention policy: of the version directories `steps`, those to retire, oldest first.
 
-    Uncommitted versions newer than the newest committed one may still be being written and are left alone.
-    Returns the steps retired.
+    All but the newest `keep` committed versions go, and uncommitted leftovers older than the newest
+    committed one. Uncommitted versions newer than it may still be being written and stay, and with
+    no committed version nothing goes. Held versions (a durable drain is reading them) are not
+    decided here: their callers skip them. The savers (retire_superseded) and `flashpoint clean` both
+    decide by this function, from their own listing of the base directory.
     """
     if keep < 1:
         raise ValueError(f"keep must be >= 1 (the newest committed version is never deleted), got {keep}")
-    layout = CheckpointLayout(base_dir)
-    committed = committed_steps(layout)
-    if not committed:
+    newest_first = sorted(set(committed), reverse=True)
+    if not newest_first:
         return []
-    survivors = set(committed[-keep:])
-    newest = committed[-1]
-    retired = [s for s in layout.version_steps() if s not in survivors and s < newest]
+    survivors = set(newest_first[:keep])
+    return sorted(s for s in set(steps) if s not in survivors and s < newest_first[0])
+
+
+def retire_superseded(
+    base_dir: str | os.PathLike[str], *, keep: int = 1, rank: int | None = None, pool: BufferPool | None = None,
+    world_size: int | None = None,
+) -> list[int]:
+    """Retire (see retire_version) every version superseded_steps names; returns the steps retired."""
+    layout = CheckpointLayout(base_dir)
+    retired = [s for s in superseded_steps(layout.version_steps(), committed_steps(layout), keep=keep)
+               if not layout.is_held(s)]  # a durable drain is reading it; it releases the hold when done
     for step in retired:
-        retire_version(layout, step, rank=rank, pool=pool)
+        retire_version(layout, step, rank=rank, pool=pool, world_size=world_size)
     if retired:
-        logger.debug("Retired versions %s under %s (kept %s)", retired, layout.base_dir, sorted(survivors))
+        logger.debug("Retired versions %s under %s (keeping %d)", retired, layout.base_dir, keep)
     return retired
+
+
+delete_superseded = retire_superseded  # the name of releases up to 0.1.0 (ml_flashpoint_nemo.core exports it)

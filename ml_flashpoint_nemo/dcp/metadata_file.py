@@ -17,7 +17,7 @@ import os
 import pickle
 import threading
 
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ml_flashpoint_nemo.errors import CorruptCheckpointError
 
@@ -59,3 +59,57 @@ def decode_metadata(encoded: bytes, step: int | None) -> Metadata:
                 "checkpoint."
             )
     return metadata
+
+
+ChunkKey = tuple[str, tuple[int, ...]]  # (fqn, chunk offsets), as DCP's MetadataIndex compares
+
+
+def checked_chunk_sizes(metadata: Metadata, step: int | None) -> dict[ChunkKey, tuple[int, ...]]:
+    """The size of every stored tensor chunk, after checking the chunks against their tensor.
+
+    A load plan is computed from these offsets and sizes (resharding reads parts of chunks),
+    so they are checked before any is used: integer offsets and sizes, one per dimension, each
+    chunk inside the tensor, and the chunks' volumes adding up to the tensor's (what DCP's save
+    planner guarantees for a tensor it wrote; a chunk missing would leave part of a
+    destination unwritten).
+    """
+    sizes: dict[ChunkKey, tuple[int, ...]] = {}
+    for fqn, stored in metadata.state_dict_metadata.items():
+        if not isinstance(stored, TensorStorageMetadata):
+            continue
+        shape = _dims(stored.size, fqn, "size", step)
+        volume = 0
+        for chunk in stored.chunks:
+            offsets = _dims(chunk.offsets, fqn, "chunk offsets", step)
+            extent = _dims(chunk.sizes, fqn, "chunk sizes", step)
+            if len(offsets) != len(shape) or len(extent) != len(shape) or any(
+                    o + n > d for o, n, d in zip(offsets, extent, shape)):
+                raise CorruptCheckpointError(
+                    f"the DCP metadata of version {step} has a chunk of {fqn} at {list(offsets)} of size "
+                    f"{list(extent)} outside the tensor's shape {list(shape)}. Load another version, or the durable "
+                    "checkpoint."
+                )
+            chunk_volume = 1
+            for n in extent:
+                chunk_volume *= n
+            volume += chunk_volume
+            sizes[(fqn, tuple(offsets))] = extent
+        tensor_volume = 1
+        for d in shape:
+            tensor_volume *= d
+        if volume != tensor_volume:
+            raise CorruptCheckpointError(
+                f"the DCP metadata of version {step} lists chunks of {fqn} holding {volume} elements, but the tensor "
+                f"{list(shape)} has {tensor_volume}: part of it was not saved. Load another version, or the durable "
+                "checkpoint."
+            )
+    return sizes
+
+
+def _dims(value: object, fqn: str, what: str, step: int | None) -> tuple[int, ...]:
+    if isinstance(value, tuple) and all(type(v) is int and v >= 0 for v in value):
+        return tuple(value)
+    raise CorruptCheckpointError(
+        f"the DCP metadata of version {step} gives {fqn} {what} {value!r}, not non-negative integers. Load another "
+        "version, or the durable checkpoint."
+    )

@@ -24,9 +24,9 @@ from ml_flashpoint_nemo.core.gc_pause import without_gc
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.loader import open_object, read_object
 from ml_flashpoint_nemo.core.values import dtype_name
-from ml_flashpoint_nemo.core.versions import committed_steps, read_commit
 from ml_flashpoint_nemo.core.version_files import read_checked_file
-from ml_flashpoint_nemo.dcp.metadata_file import decode_metadata
+from ml_flashpoint_nemo.core.versions import committed_steps, read_commit
+from ml_flashpoint_nemo.dcp.metadata_file import checked_chunk_sizes, decode_metadata
 from ml_flashpoint_nemo.dcp.storage_info import (
     DCP_METADATA_NAME,
     CheckpointIdCheck,
@@ -53,6 +53,7 @@ class MemoryStorageReader(StorageReader):
         self.load_id = uuid.uuid4().hex
         self._commit: CommitRecord | None = None
         self._storage_data: dict[tuple[str, Any], ItemLocation] = {}  # (fqn, offset) -> where it is
+        self._chunk_sizes: dict[tuple[str, Any], tuple[int, ...]] = {}  # (fqn, offset) -> checked chunk size
 
     validate_checkpoint_id = CheckpointIdCheck()  # agrees with reset(): see step_of_checkpoint_id
 
@@ -101,6 +102,7 @@ class MemoryStorageReader(StorageReader):
         step = self.step
         self._storage_data = {(index.fqn, index.offset): item_location(value, index, step)
                               for index, value in storage_data.items()}
+        self._chunk_sizes = checked_chunk_sizes(metadata, step)
         self._commit_record()
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -122,6 +124,8 @@ class MemoryStorageReader(StorageReader):
                 raise CorruptCheckpointError(
                     f"{index.fqn} (offset {list(index.offset or [])}) has no storage data in version {self.step}"
                 )
+            if item.type != LoadItemType.BYTE_IO:
+                self._check_request(item)
             name, key = location
             keyed = by_object.get(name)
             if keyed is None:
@@ -166,6 +170,7 @@ class MemoryStorageReader(StorageReader):
             if first.type == LoadItemType.BYTE_IO:
                 byte_keys.append(key)
                 continue
+            self._check_record(first, entry, obj.path)  # one chunk per key: its items share the storage index
             if len(key_items) == 1 and _covers_whole_chunk(first, entry):
                 target = _destination(planner, first)
                 if _dtype_name(target.dtype) == entry.dtype:
@@ -197,6 +202,31 @@ class MemoryStorageReader(StorageReader):
             for item in items_by_key[key]:
                 planner.load_bytes(item, io.BytesIO(loaded[key]))
 
+
+    def _check_request(self, item: ReadItem) -> None:
+        """The plan asks for a part inside the stored chunk the metadata describes (checked before any read)."""
+        index = item.storage_index
+        chunk = self._chunk_sizes.get((index.fqn, index.offset))
+        offsets, lengths = tuple(item.storage_offsets), tuple(item.lengths)
+        if chunk is None or len(offsets) != len(chunk) or len(lengths) != len(chunk) or any(
+                o < 0 or n < 0 or o + n > d for o, n, d in zip(offsets, lengths, chunk)):
+            raise CorruptCheckpointError(
+                f"{item.dest_index.fqn}: the load plan asks for {list(lengths)} elements at {list(offsets)} of the "
+                f"stored chunk {index.fqn} at {list(index.offset or [])}, which holds "
+                f"{list(chunk) if chunk is not None else 'no tensor'} in version {self.step}: the request cannot be "
+                "satisfied from this version"
+            )
+
+    def _check_record(self, item: ReadItem, entry: IndexEntry, path: str) -> None:
+        """The stored record has the shape the metadata gives its chunk."""
+        index = item.storage_index
+        chunk = self._chunk_sizes.get((index.fqn, index.offset))
+        if chunk != tuple(entry.shape):
+            raise CorruptCheckpointError(
+                f"{index.fqn} (offset {list(index.offset or [])}): the record in {path} holds {list(entry.shape)} "
+                f"elements but the DCP metadata of version {self.step} says {list(chunk or [])}. Load another "
+                "version, or the durable checkpoint."
+            )
 
 def _destination(planner: LoadPlanner, item: ReadItem) -> torch.Tensor:
     """The tensor the planner resolves for item, without autograd history (it is written in place)."""

@@ -10,18 +10,17 @@ Two forms, both plain tuples (pickled in C, not through a class's reduce):
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from ml_flashpoint_nemo.core.format import ObjectRecord
-from ml_flashpoint_nemo.core.layout import CheckpointLayout
+from ml_flashpoint_nemo.core.layout import DCP_METADATA_NAME, CheckpointLayout, step_of_version_dir
 from ml_flashpoint_nemo.errors import BaseDirError, CorruptCheckpointError
 
-DCP_METADATA_NAME = ".metadata"
-_STEP_NAME = re.compile(r"step-(0|[1-9][0-9]*)", re.ASCII)  # canonical, as CheckpointLayout.version_dir names it
+__all__ = ["DCP_METADATA_NAME", "CheckpointIdCheck", "ItemLocation", "WrittenItem", "item_location", "record_key",
+           "step_of_checkpoint_id"]
 
 WrittenItem = tuple[ObjectRecord, str]  # (record of the object holding the item, record key)
 ItemLocation = tuple[str, str]  # (object file name, record key)
@@ -57,13 +56,13 @@ def step_of_checkpoint_id(layout: CheckpointLayout | None, checkpoint_id: Any) -
             f"checkpoint_id {checkpoint_id!r} is not a local path {_expected(layout)}: pass a path, not a URL"
         )
     path = Path(checkpoint_id).absolute()  # "<base>/step-1/" names step-1
-    match = _STEP_NAME.fullmatch(path.name)
-    if match is None or (layout is not None and os.path.realpath(path.parent) != os.path.realpath(layout.base_dir)):
+    step = step_of_version_dir(path.name)  # canonical only, as CheckpointLayout.version_dir names it
+    if step is None or (layout is not None and os.path.realpath(path.parent) != os.path.realpath(layout.base_dir)):
         raise BaseDirError(
             f"checkpoint_id {os.fspath(checkpoint_id)!r} is not of the form {_expected(layout)}: flashpoint "
             "versions live directly in the base directory the writer/reader was created with."
         )
-    return int(match.group(1))
+    return step
 
 
 def _expected(layout: CheckpointLayout | None) -> str:

@@ -27,7 +27,7 @@ from ml_flashpoint_nemo.core.gc_pause import without_gc
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.saver import CheckpointSaver
 from ml_flashpoint_nemo.core.version_files import FILES_KEY, describe_bytes, describe_files
-from ml_flashpoint_nemo.core.versions import delete_superseded, retire_version, write_commit
+from ml_flashpoint_nemo.core.versions import retire_superseded, retire_version, write_commit, write_file_atomically
 from ml_flashpoint_nemo.dcp.metadata_file import encode_metadata
 from ml_flashpoint_nemo.dcp.staging import StagingBuffers
 from ml_flashpoint_nemo.dcp.storage_info import (
@@ -140,7 +140,8 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         if self.step is None:
             raise BaseDirError("write_data called before reset(checkpoint_id): pass checkpoint_id to dcp.save")
         saver = self._saver_for_rank()
-        delete_superseded(self.layout.base_dir, keep=self.keep, rank=self.rank, pool=saver.pool)
+        retire_superseded(self.layout.base_dir, keep=self.keep, rank=self.rank, pool=saver.pool,
+                          world_size=dist.get_world_size() if dist.is_initialized() else None)
         flat, described = resolve_write_items(plan, planner)
         future: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
         if not flat:
@@ -172,9 +173,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         described = describe_bytes(encoded)
         version_dir = self.layout.version_dir(self.step)
         version_dir.mkdir(parents=True, exist_ok=True)
-        temporary = version_dir / f"{DCP_METADATA_NAME}.tmp-{os.getpid()}"
-        temporary.write_bytes(encoded)
-        os.rename(temporary, version_dir / DCP_METADATA_NAME)
+        write_file_atomically(version_dir, DCP_METADATA_NAME, encoded, f"DCP's metadata of step {self.step}")
         write_commit(
             self.layout,
             self.step,

@@ -29,8 +29,8 @@ from megatron.core.dist_checkpointing.strategies.async_utils import (
 )
 
 from ml_flashpoint_nemo.core import exits
-from ml_flashpoint_nemo.core.manager import main_module_not_reimported
 from ml_flashpoint_nemo.core.parent_death import tie_to_parent
+from ml_flashpoint_nemo.core.sync_manager import main_module_not_reimported
 
 logger = logging.getLogger(__name__)
 

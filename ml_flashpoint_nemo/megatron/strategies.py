@@ -28,12 +28,12 @@ from megatron.core.dist_checkpointing.core import CONFIG_FNAME, CheckpointingCon
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
-from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
 from megatron.core.dist_checkpointing.strategies.base import (
     AsyncSaveShardedStrategy,
     StrategyAction,
     register_default_strategy,
 )
+from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
 from megatron.core.dist_checkpointing.strategies.resharding import (
     TensorReformulationMetadata,
     apply_nd_flattened_tensors_reformulation,
@@ -59,14 +59,14 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ml_flashpoint_nemo.core import lifecycle
 from ml_flashpoint_nemo.core.gc_pause import without_gc
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
-from ml_flashpoint_nemo.core.manager import (
-    ManagerFuture,
+from ml_flashpoint_nemo.core.saver import StagedObject
+from ml_flashpoint_nemo.core.sync_manager import (
+    SyncManagerFuture,
     shutdown_manager,
     start_manager_warmup,
     unguarded_main_script,
     wait_for_manager,
 )
-from ml_flashpoint_nemo.core.saver import StagedObject
 from ml_flashpoint_nemo.core.topology import (
     NodeTopology,
     discover_nodes,
@@ -80,7 +80,7 @@ from ml_flashpoint_nemo.core.version_files import (
     version_copy,
     write_version_copy,
 )
-from ml_flashpoint_nemo.core.versions import delete_superseded, read_commit
+from ml_flashpoint_nemo.core.versions import read_commit, retire_superseded
 from ml_flashpoint_nemo.dcp.reader import MemoryStorageReader
 from ml_flashpoint_nemo.dcp.writer import (
     MemoryStorageWriter,
@@ -130,7 +130,8 @@ class _StagingWriter(MemoryStorageWriter):
     def _stage(self, plan: SavePlan, planner: SavePlanner) -> None:
         self.rank = dist.get_rank()
         saver = self._saver_for_rank()
-        delete_superseded(self.layout.base_dir, keep=self.keep, rank=self.rank, pool=saver.pool)
+        retire_superseded(self.layout.base_dir, keep=self.keep, rank=self.rank, pool=saver.pool,
+                          world_size=dist.get_world_size())
         flat, self.items = resolve_write_items(plan, planner)
         self.staged = saver.stage_object(self.step, flat, overwrite=True, defer_checksums=True)
 
@@ -175,7 +176,7 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         keep: int = 1,
         checksum: bool = True,
         threads: int | None = None,
-        manager_future: ManagerFuture | None = None,
+        manager_future: SyncManagerFuture | None = None,
         replication: Any = None,
     ) -> None:
         super().__init__(BACKEND, VERSION)

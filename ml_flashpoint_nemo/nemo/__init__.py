@@ -7,7 +7,18 @@ and the abort step for NVRx in-process restarts.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ml_flashpoint_nemo._lazy import lazy_exports
+
+if TYPE_CHECKING:  # what the lazy exports below resolve to, for type checkers and IDEs
+    from ml_flashpoint_nemo.nemo.callback import FlashpointCallback
+    from ml_flashpoint_nemo.nemo.checkpoint_io import FlashpointCheckpointIO
+    from ml_flashpoint_nemo.nemo.inprocess import FlashpointAbort
+    from ml_flashpoint_nemo.nemo.plugin import FlashpointPlugin
+    from ml_flashpoint_nemo.nemo.resume import FlashpointAutoResume
+    from ml_flashpoint_nemo.nemo.settings import FlashpointSettings
+    from ml_flashpoint_nemo.nemo.wrap import wrap_trainer_with_flashpoint
 
 _EXPORTS = {
     "FlashpointAbort": "inprocess",

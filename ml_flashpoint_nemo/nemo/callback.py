@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
+from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import Callback
@@ -35,6 +37,10 @@ class FlashpointCallback(Callback):
         self._blocking: dict[int, float] = {}
         self._last_saved_step: int | None = None
         self.saves: list[dict[str, Any]] = []  # every reported save, for whoever wants the numbers
+        self.drain: Any = None  # the DurableDrain of this rank, while training with durable_every_n_steps
+        self._durable_names: dict[int, str] = {}  # RAM step -> its durable checkpoint's NeMo name
+        self._drained_up_to = 0  # the newest step asked to drain (or resumed from)
+        self._previous_handler: Any = None
 
     # --- wiring ------------------------------------------------------------------------------
 
@@ -79,6 +85,8 @@ class FlashpointCallback(Callback):
 
         assert self.settings is not None, "wired in setup"
         started = time.perf_counter()
+        if self.drain is not None:
+            self._durable_names[step] = durable_name(trainer, step)
         trainer.save_checkpoint(version_path(self.settings, step), storage_options={FLASHPOINT_SAVE: True})
         self._blocking[step] = time.perf_counter() - started
         self._last_saved_step = step
@@ -86,6 +94,110 @@ class FlashpointCallback(Callback):
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self.io is not None:
             self._finalize(trainer, blocking=True)
+        if self.drain is not None:  # the drains in flight land before the process exits
+            assert self.settings is not None
+            deadline = time.monotonic() + self.settings.durable_timeout_s
+            for step in self.drain.busy_with():
+                self.drain.wait(step, max(0.0, deadline - time.monotonic()))
+            self._stop_drain()
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._stop_drain()
+
+    # --- durable checkpoints drained from RAM --------------------------------------------------
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.io is not None and self.settings is not None and self.settings.drains and self.drain is None:
+            self._start_drain(trainer)
+
+    def _start_drain(self, trainer: Any) -> None:
+        """Every rank, main thread: agree on this run's token, stage NeMo's context once, start the drain thread."""
+        import uuid
+
+        import torch.distributed as dist
+
+        from ml_flashpoint_nemo.nemo.drain import TEMP_PREFIX, DurableDrain, remove_stale_drains
+
+        settings = self.settings
+        assert settings is not None and settings.durable_dir is not None and settings.durable_every_n_steps
+        token = [uuid.uuid4().hex[:12]]
+        if dist.is_initialized():
+            dist.broadcast_object_list(token, src=0)
+        durable = Path(settings.durable_dir).absolute()
+        context = durable / f"{TEMP_PREFIX}{token[0]}-context"
+        if trainer.is_global_zero:  # nothing here may raise: the other ranks go on training
+            try:
+                durable.mkdir(parents=True, exist_ok=True)
+                remove_stale_drains(durable, token[0])
+                from nemo.lightning.io.pl import TrainerContext
+
+                TrainerContext.from_trainer(trainer).io_dump(context, yaml_attrs=["model"])
+            except Exception as exc:  # noqa: BLE001 - as NeMo's ModelCheckpoint: a checkpoint without context
+                logger.warning("Could not stage the NeMo context for drained checkpoints in %s: %s", durable, exc)
+        self.drain = DurableDrain(
+            base_dir=settings.base_dir, durable_dir=durable, rank=trainer.global_rank, world_size=trainer.world_size,
+            token=token[0], keep=settings.durable_keep, bytes_per_s=settings.durable_bytes_per_s,
+            timeout_s=settings.durable_timeout_s, context_dir=context,
+        )
+        self._drained_up_to = trainer.global_step
+        if settings.preemption_signal is not None:
+            from ml_flashpoint_nemo.nemo.settings import preemption_signal_number
+
+            number = preemption_signal_number(settings.preemption_signal)
+            self._previous_handler = (number, signal.signal(number, self._on_preemption))
+        logger.info("Durable checkpoints drained from RAM every %d steps into %s", settings.durable_every_n_steps,
+                    durable)
+
+    def _maybe_drain(self, step: int) -> None:
+        """A committed RAM version that crosses a multiple of durable_every_n_steps is drained."""
+        from ml_flashpoint_nemo.nemo.drain import DrainRequest
+
+        assert self.settings is not None and self.settings.durable_every_n_steps
+        every = self.settings.durable_every_n_steps
+        if self.drain is None or step // every <= self._drained_up_to // every:
+            return
+        self._drained_up_to = step
+        self.drain.submit(DrainRequest(step, self._durable_names.pop(step, None) or fallback_name(step)))
+        for old in [s for s in self._durable_names if s < step]:
+            del self._durable_names[old]
+
+    def _on_preemption(self, signum: int, frame: Any) -> None:
+        """Drain the newest committed RAM version (bounded by preemption_grace_s), then die of the signal."""
+        from ml_flashpoint_nemo.core.layout import CheckpointLayout
+        from ml_flashpoint_nemo.core.versions import committed_steps
+        from ml_flashpoint_nemo.nemo.drain import DrainRequest
+
+        drain, settings = self.drain, self.settings
+        try:
+            if drain is not None and settings is not None:
+                deadline = time.monotonic() + settings.preemption_grace_s
+                drain.throttle.unthrottle()
+                newest = committed_steps(CheckpointLayout(settings.base_dir))[-1:]
+                if newest and newest[0] > self._drained_up_to:
+                    self._drained_up_to = newest[0]
+                    drain.submit(DrainRequest(newest[0], self._durable_names.get(newest[0]) or fallback_name(newest[0])))
+                for step in drain.busy_with():
+                    if not drain.wait(step, max(0.0, deadline - time.monotonic())):
+                        logger.error("The durable drain of step %d did not finish within preemption_grace_s=%g s",
+                                     step, settings.preemption_grace_s)
+                logger.warning("Exiting on signal %d after the durable drain", signum)
+        except Exception:  # noqa: BLE001 - the process must still exit as the signal asks
+            logger.exception("The durable drain on signal %d failed", signum)
+        finally:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    def _stop_drain(self) -> None:
+        if self._previous_handler is not None:
+            number, previous = self._previous_handler
+            self._previous_handler = None
+            try:
+                signal.signal(number, previous)
+            except (ValueError, TypeError):  # not the main thread, or a handler Python did not install
+                pass
+        if self.drain is not None:
+            self.drain.close()
+            self.drain = None
 
     # --- reporting ---------------------------------------------------------------------------
 
@@ -125,9 +237,30 @@ class FlashpointCallback(Callback):
             "flashpoint/gbps": outcome.nbytes / blocking / 1e9 if blocking > 0 else 0.0,
         }
         numbers.update(self._replication_numbers())
+        if self.drain is not None:
+            self._maybe_drain(outcome.step)
         self.saves.append({"step": outcome.step, **numbers})
         if trainer.logger is not None:
             trainer.logger.log_metrics(numbers, step=trainer.global_step)
         if trainer.is_global_zero:
             logger.info("Flashpoint checkpoint of step %d committed: %.1f MB, training blocked %.3f s (%.2f GB/s)",
                         outcome.step, outcome.nbytes / 1e6, blocking, numbers["flashpoint/gbps"])
+
+
+def durable_name(trainer: Any, step: int) -> str:
+    """The name NeMo's ModelCheckpoint gives its newest ("-last") checkpoint at this point of training.
+
+    From Lightning's own monitor candidates (no collective), formatted by the trainer's ModelCheckpoint;
+    without one, "step=<step>-last". AutoResume only resumes from names ending in "last".
+    """
+    checkpoint = next((c for c in trainer.callbacks if isinstance(c, ModelCheckpoint)), None)
+    if checkpoint is None:
+        return fallback_name(step)
+    candidates = ModelCheckpoint._monitor_candidates(checkpoint, trainer)
+    name = Path(checkpoint.format_checkpoint_name(candidates, checkpoint.CHECKPOINT_NAME_LAST)).name
+    name = name.removesuffix(checkpoint.FILE_EXTENSION)
+    return name if name.endswith("last") else f"{name}-last"
+
+
+def fallback_name(step: int) -> str:
+    return f"step={step}-last"

@@ -34,8 +34,8 @@ from nemo.utils.callbacks.dist_ckpt_io import AsyncFinalizableCheckpointIO
 
 from ml_flashpoint_nemo.core import lifecycle
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
-from ml_flashpoint_nemo.core.manager import ManagerFuture
 from ml_flashpoint_nemo.core.space import check_room_on_every_rank
+from ml_flashpoint_nemo.core.sync_manager import SyncManagerFuture
 from ml_flashpoint_nemo.core.topology import any_rank, problems_of_every_rank
 from ml_flashpoint_nemo.core.versions import read_commit, retire_version
 from ml_flashpoint_nemo.dcp.storage_info import step_of_checkpoint_id
@@ -83,7 +83,7 @@ class FlashpointCheckpointIO(AsyncFinalizableCheckpointIO):
     """
 
     def __init__(
-        self, durable: CheckpointIO, settings: FlashpointSettings, *, manager_future: ManagerFuture | None = None
+        self, durable: CheckpointIO, settings: FlashpointSettings, *, manager_future: SyncManagerFuture | None = None
     ) -> None:
         if not isinstance(innermost_checkpoint_io(durable), MegatronCheckpointIO):
             raise TrainerSetupError(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from ml_flashpoint_nemo.errors import TrainerSetupError
 from ml_flashpoint_nemo.nemo.job import default_base_dir
@@ -34,6 +34,14 @@ class FlashpointOptions:
     parallel_save: bool = True  # spread replicated tensors over the data-parallel ranks
     enabled: bool = True
     resume: bool = True
+    # durable checkpoints drained from RAM (nemo/drain.py); off unless durable_every_n_steps is set
+    durable_every_n_steps: int | None = None
+    durable_dir: str | None = None  # where plain NeMo finds them: the ModelCheckpoint dirpath (<log_dir>/checkpoints)
+    durable_keep: int = 2  # newest drained checkpoints kept
+    durable_bytes_per_s: float | None = None  # per rank; None: as fast as the filesystem takes it
+    durable_timeout_s: float = 600.0  # rank 0 waits this long for the other ranks' shares
+    preemption_signal: str | None = "SIGTERM"  # drain the newest RAM version on it, then exit; None: off
+    preemption_grace_s: float = 20.0  # bound of that drain (SLURM's default KillWait is 30 s)
 
     def option_values(self) -> dict[str, object]:
         return {name: getattr(self, name) for name in FlashpointOptions.__dataclass_fields__}
@@ -45,9 +53,68 @@ class FlashpointOptions:
                 raise TrainerSetupError(f"flashpoint option {name} must be an integer >= 1, got {value!r}")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise TrainerSetupError(f"flashpoint option threads must be None or an integer >= 1, got {self.threads!r}")
-        timeout = self.worker_timeout_s
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
-            raise TrainerSetupError(f"flashpoint option worker_timeout_s must be a number of seconds > 0, got {timeout!r}")
+        for name in ("worker_timeout_s", "durable_timeout_s", "preemption_grace_s"):
+            _check_positive(name, getattr(self, name))
+        if self.durable_bytes_per_s is not None:
+            _check_positive("durable_bytes_per_s", self.durable_bytes_per_s)
+        every = self.durable_every_n_steps
+        if every is not None:
+            if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+                raise TrainerSetupError(f"flashpoint option durable_every_n_steps must be None or an integer >= 1, "
+                                        f"got {every!r}")
+            if not self.durable_dir:
+                raise TrainerSetupError("flashpoint option durable_every_n_steps needs durable_dir: the directory "
+                                        "NeMo's ModelCheckpoint writes to (<log_dir>/checkpoints)")
+        if not isinstance(self.durable_keep, int) or isinstance(self.durable_keep, bool) or self.durable_keep < 1:
+            raise TrainerSetupError(f"flashpoint option durable_keep must be an integer >= 1, got {self.durable_keep!r}")
+        if self.preemption_signal is not None:
+            preemption_signal_number(self.preemption_signal)
+
+    @property
+    def drains(self) -> bool:
+        """Durable checkpoints are drained from RAM versions."""
+        return self.enabled and self.durable_every_n_steps is not None
+
+
+def preemption_signal_number(name: str) -> int:
+    """The signal number of a name such as "SIGTERM" or "SIGUSR1"; TrainerSetupError if there is none."""
+    import signal
+
+    number = getattr(signal, str(name), None) if str(name).startswith("SIG") else None
+    if not isinstance(number, signal.Signals) or number in (signal.SIGKILL, signal.SIGSTOP):
+        raise TrainerSetupError(f"flashpoint option preemption_signal must name a catchable signal such as "
+                                f"'SIGTERM' or 'SIGUSR1', or be None; got {name!r}")
+    return int(number)
+
+
+def _check_positive(name: str, value: object) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        raise TrainerSetupError(f"flashpoint option {name} must be a number > 0, got {value!r}")
+
+
+class FlashpointOptionValues(TypedDict, total=False):
+    """FlashpointOptions as keyword arguments (`**options: Unpack[FlashpointOptionValues]`): type checkers
+    then know each option's name and type. Defaults and meanings are FlashpointOptions'; a test keeps the two equal."""
+
+    every_n_steps: int
+    skip_durable_steps: bool
+    keep: int
+    replication_factor: int
+    threads: int | None
+    async_save: bool | None
+    checksum: bool
+    persistent_worker: bool
+    worker_timeout_s: float
+    parallel_save: bool
+    enabled: bool
+    resume: bool
+    durable_every_n_steps: int | None
+    durable_dir: str | None
+    durable_keep: int
+    durable_bytes_per_s: float | None
+    durable_timeout_s: float
+    preemption_signal: str | None
+    preemption_grace_s: float
 
 
 @dataclass(kw_only=True)
@@ -60,6 +127,11 @@ class FlashpointSettings(FlashpointOptions):
     def create(cls, base_dir: str | os.PathLike[str] | None = None, **options: object) -> "FlashpointSettings":
         """Settings with the base directory resolved (FLASHPOINT_BASE_DIR or the job id) and options checked."""
         settings = cls(base_dir=Path(base_dir) if base_dir else default_base_dir(), **checked_options(options))
+        if settings.durable_dir is not None:
+            base, durable = os.path.realpath(settings.base_dir), os.path.realpath(settings.durable_dir)
+            if os.path.commonpath([base, durable]) in (base, durable):
+                raise TrainerSetupError(f"flashpoint option durable_dir {settings.durable_dir} overlaps the RAM "
+                                        f"checkpoint directory {settings.base_dir}; put durable checkpoints on disk")
         return settings
 
 

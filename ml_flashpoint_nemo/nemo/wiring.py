@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from nemo.lightning.pytorch.strategies import MegatronStrategy
 
-from ml_flashpoint_nemo.core.manager import start_manager_warmup
+from ml_flashpoint_nemo.core.sync_manager import start_manager_warmup
 from ml_flashpoint_nemo.errors import TrainerSetupError
 from ml_flashpoint_nemo.nemo.checkpoint_io import FlashpointCheckpointIO
 from ml_flashpoint_nemo.nemo.resume import install_resume_choice

@@ -11,8 +11,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from typing_extensions import Unpack
+
 from ml_flashpoint_nemo.nemo.callback import FlashpointCallback
-from ml_flashpoint_nemo.nemo.settings import FlashpointWiring, flashpoint_settings_of, wiring_of
+from ml_flashpoint_nemo.nemo.settings import FlashpointOptionValues, FlashpointWiring, flashpoint_settings_of, wiring_of
 from ml_flashpoint_nemo.nemo.wiring import wire_trainer
 
 __all__ = ["FlashpointWiring", "flashpoint_settings_of", "wrap_trainer_with_flashpoint"]
@@ -22,12 +24,13 @@ def wrap_trainer_with_flashpoint(
     trainer: Any,
     *,
     base_dir: str | os.PathLike[str] | None = None,
-    **options: Any,
+    **options: Unpack[FlashpointOptionValues],
 ) -> FlashpointCallback:
     """Wire a NeMo trainer (MegatronStrategy) for RAM checkpoints; returns its FlashpointCallback.
 
     base_dir: where RAM versions live; default FLASHPOINT_BASE_DIR, else
-    /dev/shm/ml_flashpoint/<job id from SLURM / torchelastic / ...>. Options (keywords):
+    /dev/shm/ml_flashpoint/<job id from SLURM / torchelastic / ...>. Options (keywords, typed by
+    FlashpointOptionValues, defaults and meanings in settings.FlashpointOptions):
     every_n_steps (50), skip_durable_steps (True), keep (1), replication_factor (2),
     threads, async_save (None: as the strategy's ckpt_async_save), checksum (True),
     persistent_worker (True), worker_timeout_s (600), parallel_save (True), enabled (True), resume (True).
@@ -40,4 +43,4 @@ def wrap_trainer_with_flashpoint(
     else:
         callback = next((c for c in trainer.callbacks if isinstance(c, FlashpointCallback)), None) \
             or FlashpointCallback(base_dir=base_dir, **options)
-    return wire_trainer(trainer, callback, base_dir=base_dir, options=options, warn_if_wired=True).callback
+    return wire_trainer(trainer, callback, base_dir=base_dir, options=dict(options), warn_if_wired=True).callback

@@ -5,8 +5,10 @@ It sits above core because completing a version may take a peer's replica (repli
 Ranks must never resume from different versions, and never from a version with a
 missing or flipped byte. Each rank lists the versions committed on its node; the
 candidates are the steps committed on every node, newest first; for each candidate
-every rank checks its own objects and the version's files, and the first candidate
-that checks out on every rank wins. Skipped candidates are logged with the reason on
+every rank checks that every object is on its node, its own objects (at another world
+size: its share of the node's objects) and the version's files, and the first candidate
+that checks out on every rank wins. A version saved by another world size or layout is a
+candidate like any other: the load strategies reshard. Skipped candidates are logged with the reason on
 every rank. Two small all-gathers per candidate, no data moved. When a candidate fails
 because a rank's own object is corrupt, that object is dropped and fetched again from a
 peer's replica (when one exists) before the candidate is checked once more.
@@ -23,7 +25,7 @@ import torch.distributed as dist
 
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.loader import verify_object_file, verify_version
-from ml_flashpoint_nemo.core.topology import discover_nodes, problems_of_every_rank
+from ml_flashpoint_nemo.core.topology import NodeTopology, discover_nodes, problems_of_every_rank
 from ml_flashpoint_nemo.core.versions import committed_steps, read_commit
 from ml_flashpoint_nemo.errors import CorruptCheckpointError, FlashpointError
 from ml_flashpoint_nemo.replication.recovery import fetch_missing_from_peers
@@ -42,31 +44,49 @@ class RecoveryChoice:
         return None if self.step is None else str(CheckpointLayout(base_dir).version_dir(self.step))
 
 
-def _local_problem(layout: CheckpointLayout, step: int, rank: int, world_size: int) -> str | None:
-    """Why this rank cannot resume from step (None if it can)."""
+def _local_problem(layout: CheckpointLayout, step: int, topology: NodeTopology) -> str | None:
+    """Why this rank cannot resume from step (None if it can).
+
+    Every object must be on this node: a load may read any rank's object (replicated tensors
+    are stored once, and a job restarted with another layout reads other ranks' shards).
+    """
+    rank = topology.rank
     try:
         commit = read_commit(layout, step)
-        if commit.world_size != world_size:
-            return (f"saved by {commit.world_size} ranks, the job now has {world_size}; RAM versions are per node "
-                    "and are only resumed at the same world size")
         absent = [o.name for o in commit.objects if not layout.object_path(step, o.name).is_file()]
-        if absent:  # a load may read any rank's object (replicated tensors are stored once)
+        if absent:
             return f"rank {rank}: {len(absent)} objects are not on this node, e.g. {absent[0]}"
-        verify_version(layout.base_dir, step, ranks=[rank])
-    except (FlashpointError, OSError) as exc:
+        verify_version(layout.base_dir, step, ranks=_ranks_to_verify(commit.world_size, topology))
+    except Exception as exc:  # noqa: BLE001 - any failure, not only the expected ones: every rank must reach the gather
         return f"rank {rank}: {type(exc).__name__}: {exc}"
     return None
 
 
-def _drop_corrupt_objects_on_every_rank(layout: CheckpointLayout, step: int, rank: int) -> bool:
-    """Collective: each rank deletes its own objects of step that fail their checksums; True if any rank did.
+def _ranks_to_verify(saved_world_size: int, topology: NodeTopology) -> list[int]:
+    """The saving ranks whose objects this rank checks.
+
+    At the saved world size, its own (as every rank reads mostly its own shard). At another
+    world size (an elastic restart), the node's ranks share all saved ranks' objects, so that
+    every object this node may read is checked once on it.
+    """
+    if saved_world_size == len(topology.node_of_rank):
+        return [topology.rank]
+    node_ranks = topology.ranks_of_node(topology.node)
+    share = node_ranks.index(topology.rank)
+    return [r for r in range(saved_world_size) if r % len(node_ranks) == share]
+
+
+def _drop_corrupt_objects_on_every_rank(layout: CheckpointLayout, step: int, topology: NodeTopology) -> bool:
+    """Collective: each rank deletes the objects it checks (_ranks_to_verify) that fail; True if any rank did.
 
     A peer node may hold a good replica, which the fetch that follows brings back; without
     one the version stays unusable, as it already was with the corrupt copy.
     """
-    dropped = []
+    dropped, rank = [], topology.rank
     try:
-        records = [r for r in read_commit(layout, step).objects if r.rank == rank]
+        commit = read_commit(layout, step)
+        mine = _ranks_to_verify(commit.world_size, topology)
+        records = [r for r in commit.objects if r.rank in mine]
     except (FlashpointError, OSError):
         records = []
     for record in records:
@@ -74,7 +94,7 @@ def _drop_corrupt_objects_on_every_rank(layout: CheckpointLayout, step: int, ran
         try:
             verify_object_file(path, record)
         except CorruptCheckpointError as exc:  # only proven damage: an I/O error may hit the only good copy
-            logger.warning("RAM checkpoint step %d: rank %d drops its corrupt object %s to fetch a peer's replica: %s",
+            logger.warning("RAM checkpoint step %d: rank %d drops the corrupt object %s to fetch a peer's replica: %s",
                            step, rank, record.name, exc)
             try:
                 path.unlink(missing_ok=True)
@@ -94,7 +114,7 @@ def choose_version(base_dir: str | os.PathLike[str]) -> RecoveryChoice:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     try:  # a rank that cannot list its versions offers none; it must still reach the gather
         local = set(committed_steps(layout))
-    except OSError as exc:
+    except Exception as exc:  # noqa: BLE001 - logged; this rank offers no version
         logger.warning("Rank %d cannot list its RAM checkpoint versions in %s: %s", rank, layout.base_dir, exc)
         local = set()
     everyone: list[Any] = [None] * world_size
@@ -105,12 +125,13 @@ def choose_version(base_dir: str | os.PathLike[str]) -> RecoveryChoice:
     if newest_anywhere is not None and (not candidates or candidates[0] != newest_anywhere):
         missing_on = [r for r, steps in enumerate(everyone) if newest_anywhere not in steps]
         skipped[newest_anywhere] = [f"not committed on the node of ranks {missing_on}"]
+    topology = discover_nodes(base_dir) if candidates else None
     for step in candidates:
-        found = problems_of_every_rank(_local_problem(layout, step, rank, world_size))
-        if found and world_size > 1 and discover_nodes(base_dir).node_count > 1 \
-                and _drop_corrupt_objects_on_every_rank(layout, step, rank):  # a peer may hold a good replica
+        found = problems_of_every_rank(_local_problem(layout, step, topology))
+        if found and world_size > 1 and topology.node_count > 1 \
+                and _drop_corrupt_objects_on_every_rank(layout, step, topology):  # a peer may hold a good replica
             fetch_missing_from_peers(base_dir, only_step=step)  # a peer's replica replaces what was dropped
-            found = problems_of_every_rank(_local_problem(layout, step, rank, world_size))
+            found = problems_of_every_rank(_local_problem(layout, step, topology))
         if not found:
             _log_skipped(skipped, step)
             return RecoveryChoice(step, skipped)

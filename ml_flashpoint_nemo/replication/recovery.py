@@ -26,7 +26,6 @@ import array
 import concurrent.futures
 import logging
 import os
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,15 @@ import torch.distributed as dist
 
 from ml_flashpoint_nemo import _core
 from ml_flashpoint_nemo.core.format import CommitRecord, ObjectRecord
-from ml_flashpoint_nemo.core.layout import COMMIT_NAME, REPLICA_SPARES, CheckpointLayout, rank_of_object
+from ml_flashpoint_nemo.core.layout import (
+    COMMIT_NAME,
+    REPLICA_SPARES,
+    CheckpointLayout,
+    rank_of_object,
+    temporary_name,
+    version_file_name_problem,
+    version_relpath,
+)
 from ml_flashpoint_nemo.core.loader import open_object
 from ml_flashpoint_nemo.core.topology import NodeTopology, discover_nodes, problems_of_every_rank
 from ml_flashpoint_nemo.core.version_files import FILES_KEY, check_version_files
@@ -64,6 +71,16 @@ def _inventory(layout: CheckpointLayout) -> dict[int, tuple[bool, list[str]]]:
     return found
 
 
+def _inventory_or_nothing(layout: CheckpointLayout) -> dict[int, tuple[bool, list[str]]]:
+    """This node's inventory; a node that cannot list its versions offers none (it must reach the gather)."""
+    try:
+        return _inventory(layout)
+    except Exception as exc:  # noqa: BLE001 - logged; peers then see a node holding nothing
+        logger.warning("Rank %d cannot list its RAM checkpoint versions in %s (%s: %s); it offers none to its peers",
+                       dist.get_rank(), layout.base_dir, type(exc).__name__, exc)
+        return {}
+
+
 def fetch_missing_from_peers(
     base_dir: str | os.PathLike[str], config: ReplicationConfig | None = None, *, only_step: int | None = None
 ) -> int | None:
@@ -80,7 +97,7 @@ def fetch_missing_from_peers(
         pass
     topology = discover_nodes(base_dir)
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, _inventory(layout))
+    dist.all_gather_object(everyone, _inventory_or_nothing(layout))
     if topology.node_count < 2:
         return None
     nodes = [everyone[leader] for leader in topology.leaders]
@@ -144,19 +161,20 @@ def _fetch_version_files(layout: CheckpointLayout, step: int, endpoints: PeerEnd
         raise ConnectionError(f"rank {source} has no transfer server")
     directory = layout.version_dir(step)
     directory.mkdir(parents=True, exist_ok=True)
-    temporary = f".{COMMIT_NAME}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    temporary = temporary_name(COMMIT_NAME)
     base = os.fspath(layout.base_dir)
     kwargs = config.transfer_kwargs()
     try:
-        _core.transfer_fetch(address[0], address[1], endpoints.secret, f"step-{step}/{COMMIT_NAME}", base,
-                             f"step-{step}/{temporary}", **kwargs)
+        _core.transfer_fetch(address[0], address[1], endpoints.secret, version_relpath(step, COMMIT_NAME), base,
+                             version_relpath(step, temporary), **kwargs)
         record = CommitRecord.decode((directory / temporary).read_bytes(), f"the commit record of step {step} fetched")
         if record.step != step:
             raise CorruptCheckpointError(f"the commit record fetched for step {step} names step {record.step}")
         for name in record.metadata.get(FILES_KEY) or {}:
-            if os.sep in name or name in ("", ".", ".."):
-                raise CorruptCheckpointError(f"refusing version file name {name!r}")
-            _core.transfer_fetch(address[0], address[1], endpoints.secret, f"step-{step}/{name}", base, **kwargs)
+            problem = version_file_name_problem(name)
+            if problem is not None:
+                raise CorruptCheckpointError(f"refusing version file name {name!r} of step {step}: {problem}")
+            _core.transfer_fetch(address[0], address[1], endpoints.secret, version_relpath(step, name), base, **kwargs)
         check_version_files(layout, record)  # each file against the record, before the record is in place
         os.rename(directory / temporary, layout.commit_path(step))
         fsync_directory(directory)
@@ -197,7 +215,7 @@ def _phase_b(layout: CheckpointLayout, topology: NodeTopology, step: int, presen
 
 def _fetch_object(layout: CheckpointLayout, step: int, record: ObjectRecord, sources: list[int],
                   endpoints: PeerEndpoints, config: ReplicationConfig) -> str | None:
-    relative = f"step-{step}/{record.name}"
+    relative = version_relpath(step, record.name)
     path = layout.object_path(step, record.name)
     failures = []
     for source in sources:

@@ -25,7 +25,6 @@ import os
 import socket
 import threading
 import time
-import uuid
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +34,7 @@ import torch.distributed as dist
 
 from ml_flashpoint_nemo import _core
 from ml_flashpoint_nemo.core.format import ObjectRecord, whole_object_crc32c
-from ml_flashpoint_nemo.core.layout import REPLICA_SPARES, CheckpointLayout, rank_of_object
+from ml_flashpoint_nemo.core.layout import REPLICA_SPARES, CheckpointLayout, rank_of_object, spare_name, version_relpath
 from ml_flashpoint_nemo.core.topology import NodeTopology
 from ml_flashpoint_nemo.core.versions import committed_steps, read_commit
 from ml_flashpoint_nemo.errors import CorruptCheckpointError, FormatVersionError
@@ -411,7 +410,7 @@ class ReplicationService:
             known_crc = _known_object_crc(fd, str(path), record)
             try:
                 result = _core.transfer_push_fd(address[0], address[1], self._endpoints.secret, fd,
-                                                f"step-{step}/{record.name}", length=record.nbytes,
+                                                version_relpath(step, record.name), length=record.nbytes,
                                                 crc32c=known_crc, **self.config.transfer_kwargs())
             except _core.TransferChecksumError as exc:
                 if known_crc is None:
@@ -512,7 +511,7 @@ class SpareFiles:
         if self.budget > 0 and self.held() + size <= self.budget:
             try:
                 self.directory.mkdir(parents=True, exist_ok=True)
-                os.rename(path, self.directory / f"spare-{uuid.uuid4().hex}")
+                os.rename(path, self.directory / spare_name())
                 self._held = self.held() + size
                 return
             except OSError as exc:

@@ -78,6 +78,41 @@ def choose_after_a_listing_failure(p: dict[str, Any]) -> None:
     print(f"CHOSEN {recovery.choose_version(base).step}", flush=True)
 
 
+def choose_after_an_inventory_failure(p: dict[str, Any]) -> None:
+    """Two nodes; rank 1 cannot even list its base directory (the inventory before the peer fetch fails)."""
+    from ml_flashpoint_nemo.core.layout import CheckpointLayout
+    from ml_flashpoint_nemo.replication import choice as recovery
+
+    base = _node_base(p)
+    base.mkdir(parents=True, exist_ok=True)
+    if dist.get_rank() == 1:
+        def broken(layout: Any) -> list[int]:
+            raise PermissionError(13, "Permission denied", os.fspath(layout.base_dir))
+        CheckpointLayout.version_steps = broken  # type: ignore[method-assign]
+    os.environ["FLASHPOINT_REPLICATION_SECRET"] = "ab" * 32
+    print(f"CHOSEN {recovery.choose_version(base).step}", flush=True)
+
+
+def choose_after_an_unexpected_check_failure(p: dict[str, Any]) -> None:
+    """One node, a committed 2-rank DCP version; rank 1's check fails with an error nobody expected."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from ml_flashpoint_nemo.dcp import MemoryStorageWriter
+    from ml_flashpoint_nemo.replication import choice as recovery
+
+    base = Path(p["root"]) / "shared"
+    writer = MemoryStorageWriter(base)
+    dcp.save({f"w{dist.get_rank()}": torch.ones(4)}, checkpoint_id=os.fspath(base / "step-3"), storage_writer=writer)
+    writer.close()
+    if dist.get_rank() == 1:
+        def broken(*args: Any, **kwargs: Any) -> None:
+            raise ValueError("an unexpected failure in the version check")
+        recovery.verify_version = broken
+    print(f"CHOSEN {recovery.choose_version(base).step}", flush=True)
+
+
 if __name__ == "__main__":
     scenario_main({f.__name__: f for f in (keep_after_a_local_failure, agree_on_secret,
-                                           choose_after_a_listing_failure)})
+                                           choose_after_a_listing_failure, choose_after_an_inventory_failure,
+                                           choose_after_an_unexpected_check_failure)})

@@ -23,7 +23,7 @@ def main() -> None:
         if not queue.worker_ready(timeout=3.0) and queue.persistent_caller.process.is_alive():
             raise TimeoutError("the persistent save worker was not up within 3 s")
     else:
-        from ml_flashpoint_nemo.core.manager import start_manager_warmup
+        from ml_flashpoint_nemo.core.sync_manager import start_manager_warmup
         future = start_manager_warmup(timeout=90.0, _server_hook=manager_hooks.hang)
         give_up = time.monotonic() + 60
         while future.pid is None and time.monotonic() < give_up:

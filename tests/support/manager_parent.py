@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 import time
 
-from ml_flashpoint_nemo.core.manager import start_manager_warmup
+from ml_flashpoint_nemo.core.sync_manager import start_manager_warmup
 from tests.support import manager_hooks
 
 

@@ -11,7 +11,7 @@ import os
 import sys
 import time
 
-from ml_flashpoint_nemo.core.manager import start_manager_warmup
+from ml_flashpoint_nemo.core.sync_manager import start_manager_warmup
 from ml_flashpoint_nemo.errors import ManagerStartError
 
 print(f"TOP LEVEL pid={os.getpid()} name={__name__}", flush=True)

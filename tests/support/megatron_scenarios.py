@@ -9,8 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))  # examples/cpu_shims.py
-import cpu_shims  # noqa: E402
+from ml_flashpoint_nemo.testing import cpu_shims  # noqa: E402
 
 cpu_shims.install_for_checkpointing()
 
@@ -26,10 +25,10 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (  # noqa
 
 from ml_flashpoint_nemo.core import committed_steps  # noqa: E402
 from ml_flashpoint_nemo.core.layout import CheckpointLayout  # noqa: E402
-from ml_flashpoint_nemo.core.manager import start_manager_warmup  # noqa: E402
-from ml_flashpoint_nemo.replication.choice import choose_version  # noqa: E402
+from ml_flashpoint_nemo.core.sync_manager import start_manager_warmup  # noqa: E402
 from ml_flashpoint_nemo.core.version_files import MEGATRON_CONFIG_BYTES, MEGATRON_CONFIG_NAME  # noqa: E402
 from ml_flashpoint_nemo.megatron import FlashpointLoadStrategy, FlashpointSaveStrategy  # noqa: E402
+from ml_flashpoint_nemo.replication.choice import choose_version  # noqa: E402
 from tests.support import manager_hooks  # noqa: E402
 from tests.support.multiproc import expect_failure, scenario_main  # noqa: E402
 from tests.support.orphans import wait_gone  # noqa: E402

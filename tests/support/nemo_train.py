@@ -33,6 +33,21 @@ def main() -> None:
     parser.add_argument("--save-worker-up", action="store_true",
                         help="train only once the persistent save worker is up, as a job whose first save comes "
                              "minutes after set-up has it (this tiny model saves within a second of starting)")
+    parser.add_argument("--dump-resumed-state", action="store_true",
+                        help="rank 0 writes the state it starts training from (after a resume) to resumed_state.pt")
+    parser.add_argument("--drain-every", type=int, default=0, help="durable_every_n_steps (drained from RAM); 0: off")
+    parser.add_argument("--drain-log", default=None, help="NeMoLogger dir of drained checkpoints: <it>/tiny/checkpoints")
+    parser.add_argument("--drain-rate", type=float, default=None, help="durable_bytes_per_s")
+    parser.add_argument("--drain-modelcheckpoint", action="store_true",
+                        help="give the drain run a NeMo ModelCheckpoint (no periodic saves) that names its checkpoints")
+    parser.add_argument("--plain-resume", default=None,
+                        help="plain NeMo, no flashpoint: AutoResume from the NeMoLogger dir given here")
+    parser.add_argument("--sigterm-at", type=int, default=0, help="send this process SIGTERM after this step")
+    parser.add_argument("--kill-mid-drain-of", type=int, default=0,
+                        help="SIGKILL once the drain of this RAM step has written part of its data")
+    parser.add_argument("--unblock-at", type=int, default=0,
+                        help="after this step, once the drain is idle, rank 0 removes --filler")
+    parser.add_argument("--filler", default=None)
     args = parser.parse_args()
     args.base = args.base.replace("{rank}", os.environ.get("RANK", "0"))
     sys.path.insert(0, str(EXAMPLES))
@@ -60,10 +75,53 @@ def main() -> None:
             queue = trainer._flashpoint.io.flashpoint_queue
             assert queue.worker_ready(timeout=120), "the persistent save worker did not come up in 120 s"
 
+    class DumpResumedState(pl.Callback):
+        def on_train_start(self, trainer: Any, *unused: Any) -> None:
+            if trainer.global_rank == 0:
+                torch.save({"model": tiny_gpt.model_state_dict(trainer), "step": trainer.global_step,
+                            "optimizer": quickstart.flat_tensors(trainer.strategy.optimizers[0].state_dict())},
+                           Path(args.out) / "resumed_state.pt")
+
+    import time
+
+    def drain_idle(trainer: Any) -> None:
+        drain = trainer._flashpoint.callback.drain
+        deadline = time.monotonic() + 120
+        while drain.busy_with():
+            assert time.monotonic() < deadline, "the drain did not become idle in 120 s"
+            time.sleep(0.02)
+
+    class DrainEvents(pl.Callback):
+        def on_train_batch_end(self, trainer: Any, *unused: Any) -> None:
+            step = trainer.global_step
+            if step == args.unblock_at:  # a version's drain is asked for at the next step's end: all up to step - 2
+                drain_idle(trainer)
+                if args.filler and trainer.global_rank == 0:
+                    os.unlink(args.filler)
+            if step == args.sigterm_at:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        def on_train_batch_start(self, trainer: Any, *unused: Any) -> None:
+            # the drain of step S is asked for at the end of step S + 1
+            if args.kill_mid_drain_of and trainer.global_step == args.kill_mid_drain_of + 1:
+                drain = trainer._flashpoint.callback.drain
+                deadline = time.monotonic() + 120
+                temporary = drain.temporary_dir(args.kill_mid_drain_of)
+                while not list(temporary.glob(f"weights/__{trainer.global_rank}_*.distcp")):  # this rank's own
+                    assert time.monotonic() < deadline, f"no drain data in {temporary} after 120 s"
+                    time.sleep(0.005)
+                os.kill(os.getpid(), signal.SIGKILL)
+
     recorder = tiny_gpt.LossRecorder()
     callbacks: list[Any] = [recorder] + ([KillAfter()] if args.kill_at else [])
+    if args.drain_every:
+        callbacks.append(DrainEvents())
     callbacks += [SaveWorkerUp()] if args.save_worker_up else []
-    options = {"every_n_steps": args.every, "keep": args.keep}
+    callbacks += [DumpResumedState()] if args.dump_resumed_state else []
+    options: dict[str, Any] = {"every_n_steps": args.every, "keep": args.keep}
+    if args.drain_every:
+        options.update(durable_every_n_steps=args.drain_every, durable_bytes_per_s=args.drain_rate,
+                       durable_dir=str(Path(args.drain_log) / "tiny" / "checkpoints"))
     if args.route == "callback_config":  # what a recipe's trainer.callbacks entry becomes
         callbacks.append(build(run.Config(FlashpointCallback, base_dir=args.base, **options)))
     log = nl.NeMoLogger(name="e2e", log_dir=str(Path(args.out) / "logs"), use_datetime_version=False)
@@ -72,8 +130,15 @@ def main() -> None:
         log, checkpoint = tiny_gpt.make_checkpointing(args.durable_dir, args.durable_every)
         callbacks.append(checkpoint)
         resume = FlashpointAutoResume(durable=tiny_gpt.make_resume())
+    if args.drain_modelcheckpoint or args.plain_resume:  # never saves by itself before max_steps
+        log, checkpoint = tiny_gpt.make_checkpointing(args.plain_resume or args.drain_log, 10**6)
+        callbacks.append(checkpoint)
+    if args.plain_resume:
+        args.route = "none"
+        resume = tiny_gpt.make_resume()
     logger = CSVLogger(args.csv_logger, name="metrics") if args.csv_logger else False
-    trainer = tiny_gpt.make_trainer(args.steps, callbacks=callbacks, enable_checkpointing=bool(args.durable_every),
+    checkpointing = bool(args.durable_every or args.drain_modelcheckpoint or args.plain_resume)
+    trainer = tiny_gpt.make_trainer(args.steps, callbacks=callbacks, enable_checkpointing=checkpointing,
                                     ckpt_async_save=args.async_save, logger=logger)
     if args.route == "wrap":
         wrap_trainer_with_flashpoint(trainer, base_dir=args.base, **options)
@@ -87,6 +152,7 @@ def main() -> None:
         "resumed_from": decision.source if decision else None,
         "resumed_path": str(decision.path) if decision and decision.path else None,
         "saves": flashpoint.callback.saves if flashpoint else [],
+        "ckpt_path": str(trainer.ckpt_path) if trainer.ckpt_path else None,
     }
     out = Path(args.out)
     (out / "result.json").write_text(json.dumps(result))

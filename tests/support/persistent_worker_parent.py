@@ -11,10 +11,8 @@ from __future__ import annotations
 import os
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))  # examples/cpu_shims.py
-import cpu_shims  # noqa: E402
+from ml_flashpoint_nemo.testing import cpu_shims  # noqa: E402
 
 cpu_shims.install_for_checkpointing()
 

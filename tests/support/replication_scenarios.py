@@ -13,8 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))  # examples/cpu_shims.py
-import cpu_shims  # noqa: E402
+from ml_flashpoint_nemo.testing import cpu_shims  # noqa: E402
 
 cpu_shims.install_for_checkpointing()
 
@@ -22,10 +21,10 @@ import psutil  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from ml_flashpoint_nemo.core.layout import CheckpointLayout  # noqa: E402
-from ml_flashpoint_nemo.replication.choice import choose_version  # noqa: E402
 from ml_flashpoint_nemo.core.versions import committed_steps  # noqa: E402
 from ml_flashpoint_nemo.megatron import FlashpointSaveStrategy  # noqa: E402
 from ml_flashpoint_nemo.replication import ReplicationConfig  # noqa: E402
+from ml_flashpoint_nemo.replication.choice import choose_version  # noqa: E402
 from tests.support.megatron_scenarios import check_loaded, load, node_base, save  # noqa: E402
 from tests.support.multiproc import scenario_main  # noqa: E402
 

@@ -27,12 +27,12 @@ def helper_owners() -> dict[int, str]:
     import gc
     from multiprocessing import resource_tracker
 
-    from ml_flashpoint_nemo.core.manager import ManagerFuture
+    from ml_flashpoint_nemo.core.sync_manager import SyncManagerFuture
 
     owners = {}
     for obj in gc.get_objects():
         # type(), not isinstance(): some NeMo placeholders raise on any attribute access (__class__ too)
-        if type(obj) is ManagerFuture and obj.pid is not None:
+        if type(obj) is SyncManagerFuture and obj.pid is not None:
             owners[obj.pid] = "flashpoint"
     tracker = getattr(resource_tracker._resource_tracker, "_pid", None)  # noqa: SLF001
     if tracker is not None:

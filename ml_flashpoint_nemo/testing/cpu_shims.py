@@ -151,4 +151,4 @@ def install() -> None:
 
     mode = _CudaDeviceToCpu()
     mode.__enter__()  # stays entered for the life of the process (this thread)
-    setattr(torch.cuda, "_ml_flashpoint_cpu_mode", mode)
+    setattr(torch.cuda, "_ml_flashpoint_cpu_mode", mode)  # noqa: B010 - not an attribute torch.cuda declares

@@ -1,9 +1,12 @@
-"""The spawn-context multiprocessing Manager that async saves need, started off the critical path.
+"""The spawn-context multiprocessing SyncManager that async saves need, started off the critical path.
+
+(Not a checkpoint manager: a `multiprocessing.managers.SyncManager`, whose proxies carry results
+between Megatron's save worker and its finalize step.)
 
 Starting a spawn-context ``torch.multiprocessing`` Manager launches a fresh Python
 process, which takes seconds; trainer setup must not wait for it. So
 :func:`start_manager_warmup` starts it in a daemon thread and returns a
-:class:`ManagerFuture` at once. Three properties make that future safe to hand to a
+:class:`SyncManagerFuture` at once. Three properties make that future safe to hand to a
 writer (docs/design.md, "Saving"):
 
 * It never leaves a save hanging. Any failure in the thread goes into the future, and
@@ -59,7 +62,7 @@ _GUARD_HINT = (
 )
 
 
-class ManagerFuture(Future[SyncManager]):
+class SyncManagerFuture(Future[SyncManager]):
     """A future of the started Manager whose every wait is bounded and ends in ManagerStartError.
 
     A wait that times out abandons the start for good (the half-started process is
@@ -134,9 +137,9 @@ class ManagerFuture(Future[SyncManager]):
 
     def _begin(self, server_hook: Callable[[], Any] | None) -> None:
         self.set_running_or_notify_cancel()  # from now on cancel() is a no-op; close() abandons instead
-        lifecycle.register(self, ManagerFuture.close, f"multiprocessing Manager (future at {id(self):#x})")
+        lifecycle.register(self, SyncManagerFuture.close, f"multiprocessing Manager (future at {id(self):#x})")
         # Until it is up, its half-started process has no shutdown finalizer: multiprocessing's exit would join it.
-        exits.stop_at_exit(self, ManagerFuture.close, f"multiprocessing Manager (future at {id(self):#x})")
+        exits.stop_at_exit(self, SyncManagerFuture.close, f"multiprocessing Manager (future at {id(self):#x})")
         self._timer = threading.Timer(self.timeout, self._expire)
         self._timer.name = "flashpoint-manager-deadline"
         self._timer.daemon = True
@@ -244,15 +247,18 @@ class ManagerFuture(Future[SyncManager]):
             self._timer.join(_SETTLE_S)
 
 
+ManagerFuture = SyncManagerFuture  # the name of releases up to 0.1.0 (ml_flashpoint_nemo.core exports it)
+
+
 def start_manager_warmup(
     *, timeout: float | None = None, _server_hook: Callable[[], Any] | None = None
-) -> ManagerFuture:
+) -> SyncManagerFuture:
     """Start a spawn-context torch.multiprocessing Manager in a daemon thread; returns its future at once.
 
     `timeout` (default: ``FLASHPOINT_MANAGER_TIMEOUT_S``, else 120 s) bounds the start and every wait.
     `_server_hook` is for tests only: a picklable module-level callable run in the server before it serves.
     """
-    future = ManagerFuture(_resolve_timeout(timeout))
+    future = SyncManagerFuture(_resolve_timeout(timeout))
     future._begin(_server_hook)
     return future
 
@@ -288,13 +294,13 @@ def _is_main_guard(test: ast.expr) -> bool:
 
 
 def wait_for_manager(
-    future: ManagerFuture, timeout: float | None = None, *, what: str = "a RAM checkpoint save"
+    future: SyncManagerFuture, timeout: float | None = None, *, what: str = "a RAM checkpoint save"
 ) -> SyncManager:
     """The started Manager; raises ManagerStartError if it failed or is not up within the bound."""
     return future.result(timeout, what=what)
 
 
-def shutdown_manager(future: ManagerFuture | None) -> None:
+def shutdown_manager(future: SyncManagerFuture | None) -> None:
     """Shut down the Manager behind `future` if it started; harmless if not, failed, or already closed."""
     if future is not None:
         future.close()

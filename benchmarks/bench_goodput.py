@@ -1,0 +1,564 @@
+"""Training time lost to checkpointing, per save and per crash, for a NeMo GPT on 2 CPU ranks (gloo).
+
+One run measures four configurations in the same process layout (2 rank processes per phase,
+started by this script):
+
+  a  no checkpoints: the reference step time
+  b  NeMo's own async durable checkpoint (torch_dist, local disk) every K steps
+  c  flashpoint RAM checkpoints every N steps + NeMo's durable checkpoint every K
+  d  RAM every N + durable checkpoints drained from RAM every K (wrap_trainer_with_flashpoint's
+     durable_every_n_steps / durable_dir; reported "not available in this build" without them)
+
+Each of b, c, d trains --steps steps, lets the newest checkpoint land, SIGKILLs both ranks and
+restarts them; the restarted job resumes on its own (AutoResume; flashpoint picks the newer of
+RAM and durable) and trains --restart-steps more. Per configuration it reports:
+
+- median (and mean) step time and the overhead of the median vs a, in %;
+- per save kind (ram, durable): blocking time per save (the time trainer.save_checkpoint held
+  the training loop), the staging copy reference (one torch copy_ of this rank's share of the
+  checkpoint into already-allocated host tensors, measured in the same process), the fixed cost
+  (blocking - staging copy) and where the blocking time goes (timing spans around the calls of
+  the save path: Lightning's dump_checkpoint, Megatron's sharded state dicts, the checkpoint IO,
+  dist_checkpointing.save, the async schedule, the barrier);
+- recovery: wall time from the SIGKILL to the end of the first step trained after the restart,
+  split into process start + imports, setup (trainer, model, process group), restore
+  (Lightning's resume_start .. resume_end: reading the checkpoint into the model and optimizer)
+  and the first step; the parts add up to the total by construction of consecutive timestamps;
+- steps lost (trained before the kill, not in the checkpoint resumed from);
+- ETTR (effective training time ratio) for --failures-per-hour failures, from measured costs:
+  (t_a / t_mean) * (1 - rate * (recovery + interval * t_mean / 2)), interval the checkpoint
+  interval recovery reads from (a failure lands on average half an interval after a save).
+
+BENCH_GOODPUT_PROFILE=<dir> writes a cProfile of every RAM save of each rank into <dir>.
+
+Sizes: the full training state (fp32 weights + Adam's two moments) is >= --size GiB (default 1).
+
+    python benchmarks/bench_goodput.py                 # table
+    python benchmarks/bench_goodput.py --json          # one JSON object per line
+    python benchmarks/bench_goodput.py --size 0.002 --steps 6 --restart-steps 2 --ram-every 2 --durable-every 4
+"""
+
+from __future__ import annotations
+
+import time
+
+_T_PROCESS = time.time()  # before any import: the restart's process start
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import uuid  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Callable  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+CONFIGS = ("a", "b", "c", "d")
+DESCRIPTIONS = {
+    "a": "no checkpoints",
+    "b": "NeMo async durable every K",
+    "c": "RAM every N + NeMo durable every K",
+    "d": "RAM every N + durable drained from RAM every K",
+}
+TARGETS = {
+    "restore_speedup_ram_vs_durable": 10.0,  # >=
+    "ram_blocking_over_staging": 1.1,  # <=
+    "ram_fixed_cost_s": 0.020,  # <=
+    "d_overhead_pct": 2.0,  # <=
+    "d_durable_blocking_s": 0.0,  # ==
+}
+GIB = 1 << 30
+PROFILE_VARIABLE = "BENCH_GOODPUT_PROFILE"  # a directory: cProfile every RAM save into it (distorts the timings)
+BYTES_PER_PARAM = 12  # fp32 weight + Adam exp_avg + exp_avg_sq
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
+    ap.add_argument("--size", type=float, default=1.0, help="full training state in GiB (weights + optimizer)")
+    ap.add_argument("--steps", type=int, default=28, help="steps trained before the SIGKILL")
+    ap.add_argument("--restart-steps", type=int, default=2, help="steps trained after the restart")
+    ap.add_argument("--ram-every", type=int, default=5, help="N: RAM checkpoint interval in steps")
+    ap.add_argument("--durable-every", type=int, default=15, help="K: durable checkpoint interval in steps")
+    ap.add_argument("--failures-per-hour", type=float, default=1.0, help="failure rate for the ETTR")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="which of a,b,c,d to run")
+    ap.add_argument("--out", default=None, help="work directory (default: a temp dir, removed at the end)")
+    ap.add_argument("--durable-root", default=None, help="durable checkpoints go here (default: under --out)")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="per phase, seconds")
+    ap.add_argument("--phase", help=argparse.SUPPRESS)  # "<config>:<train|restart>" in a rank process
+    ap.add_argument("--base", help=argparse.SUPPRESS)  # RAM base directory of the configuration
+    return ap.parse_args(argv)
+
+
+def model_shape(size_gib: float) -> tuple[int, int]:
+    """(hidden, layers) whose fp32 weights + Adam state reach size_gib (a GPT layer holds ~12 h^2 parameters)."""
+    target = size_gib * GIB / BYTES_PER_PARAM
+    hidden = 1024 if size_gib >= 0.5 else 512 if size_gib >= 0.05 else 256 if size_gib >= 0.005 else 64
+    return hidden, max(2, math.ceil(target / (12 * hidden * hidden)))
+
+
+def drain_available() -> bool:
+    """Whether this build's wrap_trainer_with_flashpoint can drain durable checkpoints from RAM."""
+    from ml_flashpoint_nemo.nemo.settings import FlashpointOptions
+
+    fields = FlashpointOptions.__dataclass_fields__
+    return "durable_every_n_steps" in fields and "durable_dir" in fields
+
+
+# --- one rank ----------------------------------------------------------------------------------
+
+
+class Spans:
+    """Seconds spent in instrumented calls, per save kind ("ram", "durable"; "step" outside saves)."""
+
+    def __init__(self) -> None:
+        self.kind = "step"
+        self.seconds: dict[str, dict[str, float]] = {}
+
+    def wrap(self, owner: Any, attr: str, name: str) -> None:
+        original: Callable[..., Any] = getattr(owner, attr)
+        spans = self
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                bucket = spans.seconds.setdefault(spans.kind, {})
+                bucket[name] = bucket.get(name, 0.0) + time.perf_counter() - started
+
+        setattr(owner, attr, timed)
+
+
+def run_rank(args: argparse.Namespace) -> None:
+    import signal
+
+    sys.path.insert(0, str(EXAMPLES))
+    import lightning.pytorch as pl
+    import tiny_gpt  # installs the CPU shims first
+    import torch
+    from megatron.core import dist_checkpointing
+    from nemo import lightning as nl
+    from nemo.collections import llm
+
+    import ml_flashpoint_nemo.nemo.checkpoint_io as flashpoint_io
+    from ml_flashpoint_nemo import wrap_trainer_with_flashpoint
+    from ml_flashpoint_nemo.nemo import FlashpointAutoResume
+
+    t_imports = time.time()
+    config, phase = args.phase.split(":")
+    out = Path(args.out) / config
+    rank = int(os.environ["RANK"])
+    hidden, layers = model_shape(args.size)
+    max_steps = args.steps + args.restart_steps
+    spans = Spans()
+    marks: dict[str, float] = {"process": _T_PROCESS, "imports": t_imports}
+    saves: list[dict[str, Any]] = []
+
+    class Timing(pl.Callback):
+        """Step end times; the restart's first step; a SIGKILL after --steps once checkpoints landed."""
+
+        def __init__(self) -> None:
+            self.steps: list[tuple[int, float]] = []
+
+        def on_train_batch_end(self, trainer: Any, *unused: Any) -> None:
+            self.steps.append((int(trainer.global_step), time.perf_counter()))
+            if "first_step" not in marks:
+                marks["first_step"] = time.time()
+            if phase == "train" and config != "a" and trainer.global_step == args.steps:
+                io = trainer.strategy.checkpoint_io
+                if hasattr(io, "maybe_finalize_save_checkpoint"):
+                    io.maybe_finalize_save_checkpoint(blocking=True)  # the newest checkpoint lands first
+                torch.distributed.barrier()
+                dump(trainer, killed_at=args.steps)
+                marks["kill"] = time.time()
+                (out / f"kill_rank{rank}.json").write_text(json.dumps(marks["kill"]))
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    timing = Timing()
+    callbacks: list[Any] = [timing]
+    log: Any = nl.NeMoLogger(name="goodput", log_dir=str(out / "logs"), use_datetime_version=False)
+    resume: Any = None
+    if config in ("b", "c"):
+        log, ckpt = tiny_gpt.make_checkpointing(out / "logs", args.durable_every)
+        callbacks.append(ckpt)
+        resume = tiny_gpt.make_resume()
+    trainer = tiny_gpt.make_trainer(max_steps, ckpt_async_save=True, callbacks=callbacks,
+                                    enable_checkpointing=config in ("b", "c"))
+    if config in ("c", "d"):
+        options: dict[str, Any] = {"every_n_steps": args.ram_every}
+        if config == "d":
+            options.update(durable_every_n_steps=args.durable_every, durable_dir=str(out / "durable"))
+        wrap_trainer_with_flashpoint(trainer, base_dir=args.base, **options)
+        if resume is None:
+            resume = FlashpointAutoResume(resume_if_exists=True, resume_ignore_no_checkpoint=True)
+
+    # Timing spans through the save path (the benchmark's own instrumentation, not the library's).
+    original_save = trainer.save_checkpoint
+
+    def save_checkpoint(filepath: Any, weights_only: bool = False, storage_options: Any = None) -> None:
+        spans.kind = "ram" if storage_options and storage_options.get(flashpoint_io.FLASHPOINT_SAVE) else "durable"
+        profile = None
+        if os.environ.get(PROFILE_VARIABLE) and spans.kind == "ram":
+            import cProfile
+
+            profile = cProfile.Profile()
+        started = time.perf_counter()
+        try:
+            if profile is not None:
+                profile.runcall(original_save, filepath, weights_only, storage_options=storage_options)
+                profile.dump_stats(Path(os.environ[PROFILE_VARIABLE]) / f"ram_save_rank{rank}_step{trainer.global_step}.prof")
+            else:
+                original_save(filepath, weights_only, storage_options=storage_options)
+        finally:
+            queue = getattr(trainer.strategy.checkpoint_io, "flashpoint_queue", None)
+            ready = queue.worker_ready() if queue is not None and hasattr(queue, "worker_ready") else None
+            saves.append({"kind": spans.kind, "step": int(trainer.global_step),
+                          "blocking_s": time.perf_counter() - started, "persistent_worker_ready": ready})
+            spans.kind = "step"
+
+    trainer.save_checkpoint = save_checkpoint
+    connector = trainer._checkpoint_connector
+    spans.wrap(connector, "dump_checkpoint", "dump_checkpoint")
+    spans.wrap(trainer.strategy, "optimizer_sharded_state_dict", "optimizer_sharded_state_dict")
+    spans.wrap(trainer.strategy, "barrier", "barrier")
+    spans.wrap(dist_checkpointing, "save", "dist_checkpointing.save")
+    spans.wrap(flashpoint_io, "check_room_on_every_rank", "check_room_on_every_rank")
+    import nemo.collections.llm.modelopt.model_utils as modelopt_utils
+
+    spans.wrap(modelopt_utils, "save_modelopt_state", "save_modelopt_state")
+    io = trainer.strategy.checkpoint_io
+    spans.wrap(io, "save_checkpoint", "checkpoint_io.save_checkpoint")
+    if hasattr(io, "flashpoint_queue"):
+        spans.wrap(io.flashpoint_queue, "schedule_async_request", "schedule_async_request")
+        spans.wrap(io, "finalize_flashpoint", "finalize_flashpoint")
+    durable_io = getattr(io, "checkpoint_io", io)
+    if hasattr(durable_io, "async_calls_queue"):
+        spans.wrap(durable_io.async_calls_queue, "schedule_async_request", "schedule_async_request")
+
+    def resume_start(original: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*a: Any, **k: Any) -> Any:
+            marks.setdefault("restore_start", time.time())
+            return original(*a, **k)
+        return timed
+
+    def resume_end(original: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*a: Any, **k: Any) -> Any:
+            try:
+                return original(*a, **k)
+            finally:
+                marks["restore_end"] = time.time()
+        return timed
+
+    class WrapSharded(pl.Callback):
+        def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+            # the resume choice (flashpoint's, installed at wiring) sits inside these wrappers
+            connector.resume_start = resume_start(connector.resume_start)
+            connector.resume_start._flashpoint = True  # flashpoint's resume choice is inside: install it once
+            connector.resume_end = resume_end(connector.resume_end)
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            spans.wrap(trainer.strategy.megatron_parallel, "sharded_state_dict", "model_sharded_state_dict")
+
+    trainer.callbacks.insert(0, WrapSharded())
+
+    def dump(trainer: Any, killed_at: int | None = None) -> None:
+        staging = staging_copy_seconds(trainer) if phase == "train" else None
+        flashpoint = getattr(trainer, "_flashpoint", None)
+        decision = getattr(trainer, "_flashpoint_resume", None)
+        result = {
+            "rank": rank, "config": config, "phase": phase, "hidden": hidden, "layers": layers,
+            "steps": timing.steps, "saves": saves, "spans": spans.seconds, "marks": marks,
+            "staging": staging, "killed_at": killed_at,
+            "ram_outcomes": flashpoint.callback.saves if flashpoint else [],
+            "resumed_from": decision.source if decision else None,
+        }
+        (out / f"{phase}_rank{rank}.json").write_text(json.dumps(result))
+
+    def staging_copy_seconds(trainer: Any) -> dict[str, float]:
+        """One torch copy_ of the rank's full state (weights, optimizer) into touched host tensors, median of 3."""
+        tensors = [p.detach() for p in trainer.strategy.megatron_parallel.parameters()]
+        tensors += [t for t in flat_tensors(trainer.strategy.optimizers[0].state_dict()) if t.numel() > 1]
+        buffers = [torch.empty_like(t) for t in tensors]
+        for b in buffers:
+            b.fill_(0)
+        runs = []
+        for _ in range(3):
+            started = time.perf_counter()
+            for b, t in zip(buffers, tensors):
+                b.copy_(t)
+            runs.append(time.perf_counter() - started)
+        return {"seconds": statistics.median(runs), "nbytes": float(sum(t.nbytes for t in tensors))}
+
+    model = make_model(hidden, layers)
+    marks["built"] = time.time()
+    llm.train(model, tiny_gpt.make_data(), trainer, log=log, resume=resume)
+    dump(trainer)
+
+
+def flat_tensors(value: Any) -> list[Any]:
+    """Every tensor in a nested state dict."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return [value.detach()]
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    return [t for item in items for t in flat_tensors(item)]
+
+
+def make_model(hidden: int, layers: int) -> Any:
+    """tiny_gpt's GPT (fp32, CPU-safe flags) at the benchmark's size."""
+    import tiny_gpt
+    import torch
+    from nemo.collections import llm
+
+    config = llm.GPTConfig(
+        num_layers=layers, hidden_size=hidden, ffn_hidden_size=4 * hidden, num_attention_heads=max(1, hidden // 64),
+        seq_length=tiny_gpt.SEQ_LEN, vocab_size=tiny_gpt.VOCAB + 1, hidden_dropout=0.0, attention_dropout=0.0,
+        params_dtype=torch.float32, bf16=False, fp16=False, masked_softmax_fusion=False,
+        bias_activation_fusion=False, bias_dropout_fusion=False, gradient_accumulation_fusion=False,
+        cross_entropy_loss_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+    )
+    return llm.GPTModel(config, optim=tiny_gpt.make_optim(), tokenizer=tiny_gpt.make_tokenizer())
+
+
+# --- the driver ----------------------------------------------------------------------------------
+
+
+def launch(args: argparse.Namespace, config: str, phase: str, base: str) -> int:
+    sys.path.insert(0, str(EXAMPLES))
+    from launch import launch_ranks
+
+    argv = ["--phase", f"{config}:{phase}", "--out", args.out, "--base", base, "--size", str(args.size),
+            "--steps", str(args.steps), "--restart-steps", str(args.restart_steps),
+            "--ram-every", str(args.ram_every), "--durable-every", str(args.durable_every)]
+    return launch_ranks(__file__, argv, timeout=args.timeout, log_dir=Path(args.out) / config / phase)
+
+
+def median_step_s(steps: list[list[float]], skip: int = 2) -> tuple[float, float]:
+    """(median, mean) gap between consecutive step ends, the first `skip` steps left out (warm-up)."""
+    times = [t for _, t in steps][skip:]
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    return (statistics.median(gaps), statistics.fmean(gaps)) if gaps else (float("nan"), float("nan"))
+
+
+def summarize_saves(train: dict[str, Any], world: int) -> dict[str, Any]:
+    """Per save kind: blocking per save, the staging copy of this rank's share, fixed cost, span breakdown."""
+    staging = train["staging"]
+    ram_bytes = next((o["flashpoint/bytes"] for o in train["ram_outcomes"] if "flashpoint/bytes" in o), None)
+    out: dict[str, Any] = {}
+    for kind in ("ram", "durable"):
+        saves = [s for s in train["saves"] if s["kind"] == kind]
+        if not saves:
+            out[kind] = {"saves": 0, "blocking_s": 0.0}
+            continue
+        blocking = statistics.median(s["blocking_s"] for s in saves)
+        spans = {name: seconds / len(saves) for name, seconds in train["spans"].get(kind, {}).items()}
+        row: dict[str, Any] = {"saves": len(saves), "blocking_s": blocking,
+                               "forked_saves": sum(1 for s in saves if s.get("persistent_worker_ready") is False),
+                               "blocking_first_s": saves[0]["blocking_s"], "spans_per_save_s": spans}
+        if kind == "ram":
+            # each rank stages its share of the job's checkpoint (parallel_save spreads replicated tensors)
+            share = (ram_bytes / world) if ram_bytes else staging["nbytes"]
+            copy_s = staging["seconds"] * share / staging["nbytes"]
+            row.update(staging_copy_s=copy_s, staging_nbytes=share, fixed_cost_s=blocking - copy_s,
+                       blocking_over_staging=blocking / copy_s if copy_s > 0 else float("nan"),
+                       job_checkpoint_bytes=ram_bytes)
+        out[kind] = row
+    return out
+
+
+def recovery(args: argparse.Namespace, config: str, restart: dict[str, Any], train: dict[str, Any]) -> dict[str, Any]:
+    kill = json.loads((Path(args.out) / config / "kill_rank0.json").read_text())
+    m = restart["marks"]
+    parts = {
+        "start_imports_s": m["imports"] - kill,
+        "setup_s": m["restore_start"] - m["imports"],
+        "restore_s": m["restore_end"] - m["restore_start"],
+        "first_step_s": m["first_step"] - m["restore_end"],
+    }
+    first = restart["steps"][0][0] if restart["steps"] else None
+    resumed_step = None if first is None else first - 1
+    source = restart["resumed_from"] or ("durable" if resumed_step else "none")
+    return {**parts, "total_s": m["first_step"] - kill, "resumed_from": source,
+            "resumed_step": resumed_step, "killed_at": train["killed_at"],
+            "steps_lost": None if resumed_step is None else train["killed_at"] - resumed_step}
+
+
+def ettr(t_ref: float, t_mean: float, recovery_s: float, interval_steps: int, failures_per_hour: float) -> float:
+    """Useful fraction of wall time: slowdown by checkpointing, times what failures leave."""
+    lost_per_failure = recovery_s + interval_steps * t_mean / 2
+    return max(0.0, t_ref / t_mean * (1.0 - failures_per_hour / 3600.0 * lost_per_failure))
+
+
+def run_driver(args: argparse.Namespace) -> int:
+    configs = [c for c in args.configs.split(",") if c]
+    own_out = args.out is None
+    args.out = args.out or tempfile.mkdtemp(prefix="flashpoint-goodput-")
+    hidden, layers = model_shape(args.size)
+    rows: list[dict[str, Any]] = []
+    results: dict[str, dict[str, Any]] = {}
+    drain = drain_available()
+    try:
+        for config in configs:
+            if config == "d" and not drain:
+                rows.append({"name": "config", "config": "d", "description": DESCRIPTIONS["d"],
+                             "available": False, "reason": "not available in this build (no durable_every_n_steps "
+                             "/ durable_dir option in wrap_trainer_with_flashpoint)"})
+                continue
+            base = f"/dev/shm/ml_flashpoint/goodput-{uuid.uuid4().hex[:8]}"
+            try:
+                expect = 0 if config == "a" else -9
+                code = launch(args, config, "train", base)
+                if code != expect:
+                    raise RuntimeError(f"config {config}: the training phase exited with {code}, expected {expect}; "
+                                       f"see {args.out}/{config}/train/rank-*.log")
+                train = json.loads((Path(args.out) / config / "train_rank0.json").read_text())
+                result: dict[str, Any] = {"train": train}
+                if config != "a":
+                    code = launch(args, config, "restart", base)
+                    if code != 0:
+                        raise RuntimeError(f"config {config}: the restart exited with {code}; "
+                                           f"see {args.out}/{config}/restart/rank-*.log")
+                    result["restart"] = json.loads((Path(args.out) / config / "restart_rank0.json").read_text())
+                results[config] = result
+            finally:
+                shutil.rmtree(base, ignore_errors=True)
+                shutil.rmtree(Path(args.out) / config / "logs", ignore_errors=True)  # durable checkpoints
+                shutil.rmtree(Path(args.out) / config / "durable", ignore_errors=True)
+        reported = report_rows(args, results, hidden, layers)
+        rows = reported[:1] + rows + reported[1:]  # the setup row first
+    finally:
+        if own_out:
+            shutil.rmtree(args.out, ignore_errors=True)
+    emit(args, rows)
+    return 0
+
+
+def report_rows(args: argparse.Namespace, results: dict[str, dict[str, Any]], hidden: int, layers: int
+                ) -> list[dict[str, Any]]:
+    world = 2
+    params = 12 * hidden * hidden * layers
+    rows: list[dict[str, Any]] = [{
+        "name": "setup", "hidden": hidden, "layers": layers, "state_gib_estimate": params * BYTES_PER_PARAM / GIB,
+        "steps": args.steps, "restart_steps": args.restart_steps, "ram_every": args.ram_every,
+        "durable_every": args.durable_every, "failures_per_hour": args.failures_per_hour, "ranks": world,
+        "cpu_count": os.cpu_count(), "loadavg": os.getloadavg()[0],
+    }]
+    ref = results.get("a")
+    t_ref = median_step_s(ref["train"]["steps"])[0] if ref else float("nan")
+    for config, result in results.items():
+        train = result["train"]
+        median, mean = median_step_s(train["steps"])
+        row: dict[str, Any] = {
+            "name": "config", "config": config, "description": DESCRIPTIONS[config], "available": True,
+            "median_step_s": median, "mean_step_s": mean,
+            "overhead_pct": (median / t_ref - 1) * 100 if ref else None,
+            "overhead_mean_pct": (mean / t_ref - 1) * 100 if ref else None,
+            "staging_copy_full_state_s": train["staging"]["seconds"] if train["staging"] else None,
+            "state_bytes_per_rank": train["staging"]["nbytes"] if train["staging"] else None,
+            "saves": summarize_saves(train, world) if config != "a" else {},
+        }
+        if "restart" in result:
+            rec = recovery(args, config, result["restart"], train)
+            row["recovery"] = rec
+            interval = args.durable_every if rec["resumed_from"] == "durable" else args.ram_every
+            row["ettr"] = ettr(t_ref, mean, rec["total_s"], interval, args.failures_per_hour) if ref else None
+        rows.append(row)
+    rows.append(targets_row(rows))
+    return rows
+
+
+def targets_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each target with the measured value and whether it is met (None: not measured in this run)."""
+    by = {r["config"]: r for r in rows if r.get("name") == "config" and r.get("available")}
+    values: dict[str, Any] = {}
+    if "b" in by and "c" in by and "recovery" in by["b"] and "recovery" in by["c"]:
+        values["restore_speedup_ram_vs_durable"] = by["b"]["recovery"]["restore_s"] / by["c"]["recovery"]["restore_s"]
+    ram = by.get("c", {}).get("saves", {}).get("ram", {})
+    if ram.get("saves"):
+        values["ram_blocking_over_staging"] = ram["blocking_over_staging"]
+        values["ram_fixed_cost_s"] = ram["fixed_cost_s"]
+    if "d" in by:
+        values["d_overhead_pct"] = by["d"]["overhead_pct"]
+        values["d_durable_blocking_s"] = by["d"]["saves"].get("durable", {}).get("blocking_s", 0.0)
+    met: dict[str, Any] = {}
+    for key, target in TARGETS.items():
+        value = values.get(key)
+        if value is None:
+            met[key] = None
+        elif key == "restore_speedup_ram_vs_durable":
+            met[key] = value >= target
+        elif key == "d_durable_blocking_s":
+            met[key] = value == target
+        else:
+            met[key] = value <= target
+    return {"name": "targets", "targets": TARGETS, "values": values, "meets_target": met}
+
+
+def emit(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    if args.json:
+        for row in rows:
+            print(json.dumps(row), flush=True)
+        return
+    setup = rows[0] if rows and rows[0]["name"] == "setup" else {}
+    if setup:
+        print(f"NeMo GPT hidden {setup['hidden']} x {setup['layers']} layers, state ~{setup['state_gib_estimate']:.2f}"
+              f" GiB, 2 CPU ranks (gloo), {setup['steps']} steps then SIGKILL; RAM every {setup['ram_every']}, "
+              f"durable every {setup['durable_every']}; load average {setup['loadavg']:.1f} on "
+              f"{setup['cpu_count']} cores")
+    print(f"{'cfg':3} {'step s':>7} {'ovh %':>6} {'RAM blk ms':>10} {'fixed ms':>8} {'dur blk ms':>10} "
+          f"{'kill->step s':>12} {'start+imp':>9} {'setup':>6} {'restore':>7} {'1st step':>8} {'lost':>4} "
+          f"{'ETTR':>5}")
+    for row in rows:
+        if row["name"] != "config":
+            continue
+        if not row["available"]:
+            print(f"{row['config']:3} {row['reason']}")
+            continue
+        ram, dur = row["saves"].get("ram", {}), row["saves"].get("durable", {})
+        rec = row.get("recovery", {})
+
+        def ms(value: Any) -> str:
+            return "-" if value is None else f"{value * 1e3:.0f}"
+
+        def s(value: Any, width: int) -> str:
+            return f"{'-':>{width}}" if value is None else f"{value:>{width}.2f}"
+
+        overhead = row["overhead_pct"]
+        ettr_text = "-" if row.get("ettr") is None else f"{row['ettr']:.3f}"
+        print(f"{row['config']:3} {row['median_step_s']:7.3f} {'-' if overhead is None else f'{overhead:.1f}':>6} "
+              f"{ms(ram.get('blocking_s') if ram.get('saves') else None):>10} {ms(ram.get('fixed_cost_s')):>8} "
+              f"{ms(dur.get('blocking_s') if dur.get('saves') else None):>10} {s(rec.get('total_s'), 12)} "
+              f"{s(rec.get('start_imports_s'), 9)} {s(rec.get('setup_s'), 6)} {s(rec.get('restore_s'), 7)} "
+              f"{s(rec.get('first_step_s'), 8)} {rec.get('steps_lost', '-')!s:>4} "
+              f"{ettr_text:>5}")
+    for row in rows:
+        if row["name"] == "targets":
+            for key, target in row["targets"].items():
+                value = row["values"].get(key)
+                print(f"  target {key} {target}: measured {'-' if value is None else f'{value:.4g}'}"
+                      f" -> {row['meets_target'][key]}")
+    for row in rows:
+        if row["name"] == "config" and row.get("available") and row["saves"].get("ram", {}).get("saves"):
+            spans = row["saves"]["ram"]["spans_per_save_s"]
+            print(f"  {row['config']}: RAM save blocking breakdown per save (ms): "
+                  + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in sorted(spans.items(), key=lambda kv: -kv[1])))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.phase:
+        run_rank(args)
+        return 0
+    return run_driver(args)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
+    sys.exit(main())

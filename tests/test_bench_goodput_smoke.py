@@ -1,0 +1,55 @@
+"""benchmarks/bench_goodput.py runs end to end on a tiny GPT (2 ranks, a real SIGKILL and restart).
+
+Only configuration c (RAM every N + NeMo durable every K) runs, to stay within ~2 minutes on
+2 cores; the shape of the report and the consistency of its numbers are checked, never the
+values themselves (they depend on the machine).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RECOVERY_PARTS = ("start_imports_s", "setup_s", "restore_s", "first_step_s")
+
+
+def test_bench_goodput_tiny_reports_consistent_numbers(tmp_path: Path):
+    result = subprocess.run(
+        [sys.executable, "benchmarks/bench_goodput.py", "--json", "--configs", "c", "--size", "0.001",
+         "--steps", "7", "--restart-steps", "1", "--ram-every", "2", "--durable-every", "4",
+         "--out", str(tmp_path / "out")],
+        cwd=REPO, capture_output=True, text=True, timeout=400,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    by_name = {row["name"]: row for row in rows if row["name"] != "config"}
+    assert {"setup", "targets"} <= by_name.keys()
+    (c,) = [row for row in rows if row["name"] == "config"]
+    assert c["config"] == "c" and c["available"] is True
+    assert c["median_step_s"] > 0 and c["mean_step_s"] > 0
+    assert c["overhead_pct"] is None  # no reference configuration a in this run
+
+    ram, durable = c["saves"]["ram"], c["saves"]["durable"]
+    assert ram["saves"] == 2 and durable["saves"] >= 1  # RAM at steps 2 and 6 (4 is skipped: durable saves there)
+    assert math.isclose(ram["fixed_cost_s"] + ram["staging_copy_s"], ram["blocking_s"], rel_tol=1e-9)
+    assert ram["staging_copy_s"] > 0 and ram["job_checkpoint_bytes"] > 0
+    # the instrumented calls happen inside the blocking time of the saves
+    per_save = ram["spans_per_save_s"]
+    assert 0 < per_save["dist_checkpointing.save"] <= per_save["checkpoint_io.save_checkpoint"]
+
+    recovery = c["recovery"]
+    assert all(recovery[part] >= 0 for part in RECOVERY_PARTS), recovery
+    assert math.isclose(sum(recovery[part] for part in RECOVERY_PARTS), recovery["total_s"], rel_tol=1e-9)
+    # killed after step 7: the newest checkpoint is RAM step 6 (durable: step 4)
+    assert recovery["killed_at"] == 7
+    assert recovery["resumed_from"] == "ram" and recovery["resumed_step"] == 6 and recovery["steps_lost"] == 1
+    assert c["ettr"] is None  # needs the reference step time of a
+
+    targets = by_name["targets"]
+    assert targets["meets_target"]["ram_fixed_cost_s"] in (True, False)
+    assert targets["meets_target"]["restore_speedup_ram_vs_durable"] is None  # needs b and c in one run
+    assert not (tmp_path / "out" / "c" / "logs").exists(), "durable checkpoints were left behind"

@@ -1,0 +1,150 @@
+"""Durable checkpoints drained from RAM, on real NeMo trainers (2 CPU ranks, gloo), resumed by plain NeMo.
+
+The drained checkpoint must be one NeMo resumes from without this package: the resume phase runs
+with `--plain-resume` (no flashpoint at all, NeMo's own AutoResume and MegatronCheckpointIO) and
+must match an uninterrupted run bit for bit (losses, parameters, optimizer state).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.multiproc import REPO
+from tests.test_nemo_e2e import STEPS, link_reference, reference, train  # noqa: F401 - reference is a fixture
+
+sys.path.insert(0, str(REPO / "examples"))
+
+from quickstart import compare  # noqa: E402
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"durable_every_n_steps": 4}, "needs durable_dir"),
+    ({"durable_every_n_steps": 0, "durable_dir": "/tmp/d"}, "durable_every_n_steps must be None or an integer >= 1"),
+    ({"durable_every_n_steps": 4, "durable_dir": "/tmp/d", "durable_bytes_per_s": -1}, "durable_bytes_per_s"),
+    ({"durable_keep": 0}, "durable_keep must be an integer >= 1"),
+    ({"preemption_signal": "SIGKILL"}, "catchable signal"),
+    ({"preemption_signal": "TERM"}, "catchable signal"),
+    ({"preemption_grace_s": 0}, "preemption_grace_s must be a number > 0"),
+])
+def test_bad_drain_options_are_refused_up_front(options, message):
+    from ml_flashpoint_nemo.errors import TrainerSetupError
+    from ml_flashpoint_nemo.nemo.settings import FlashpointSettings
+
+    with pytest.raises(TrainerSetupError, match=message):
+        FlashpointSettings.create("/dev/shm/unused-base", **options)
+
+
+def test_a_durable_dir_inside_the_ram_base_is_refused(shm_dir):
+    from ml_flashpoint_nemo.errors import TrainerSetupError
+    from ml_flashpoint_nemo.nemo.settings import FlashpointSettings
+
+    with pytest.raises(TrainerSetupError, match="overlaps the RAM checkpoint directory"):
+        FlashpointSettings.create(shm_dir, durable_every_n_steps=2, durable_dir=str(shm_dir / "durable"))
+    assert list(shm_dir.iterdir()) == [], "nothing created"
+
+
+def test_a_held_version_is_not_retired_until_its_hold_is_released(shm_dir):
+    from ml_flashpoint_nemo.core.layout import CheckpointLayout
+    from ml_flashpoint_nemo.core.versions import committed_steps, delete_superseded
+
+    layout = CheckpointLayout(shm_dir)
+    for step in (2, 4, 6):
+        layout.version_dir(step).mkdir()
+        layout.commit_path(step).write_bytes(b"")
+    layout.hold_path(2, 1).touch()  # rank 1 drains step 2
+    assert delete_superseded(shm_dir, keep=1, rank=0) == [4]
+    assert committed_steps(layout) == [2, 6] and layout.hold_path(2, 1).is_file()
+    layout.hold_path(2, 1).unlink()
+    assert delete_superseded(shm_dir, keep=1, rank=0) == [2]
+    assert committed_steps(layout) == [6]
+
+
+def visible(checkpoints: Path) -> dict[int, Path]:
+    """Drained checkpoints NeMo can see: RAM step -> directory (hidden drains in progress excluded)."""
+    found = {}
+    for mark in checkpoints.glob("*/.flashpoint-drained"):
+        if not mark.parent.name.startswith("."):
+            found[json.loads(mark.read_text())["step"]] = mark.parent
+    return found
+
+
+def assert_nemo_layout(checkpoint: Path) -> None:
+    weights = checkpoint / "weights"
+    assert json.loads((weights / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
+    assert (weights / ".metadata").is_file() and (weights / "common.pt").is_file()
+    assert {p.name.split("_")[2] for p in weights.glob("__*.distcp")} == {"0", "1"}, "each rank wrote its share"
+    assert (checkpoint / "context").is_dir(), "NeMo's context/ of the trainer"
+    assert checkpoint.name.endswith("-last") and not (checkpoint.parent / f"{checkpoint.name}-unfinished").exists()
+
+
+def test_plain_nemo_resumes_bit_exact_after_a_crash_mid_drain(reference, tmp_path, shm_dir):  # noqa: F811
+    """Drains of steps 2 and 4 land; the job is SIGKILLed while step 6 drains (throttled): no step-6
+    checkpoint is visible, step 4's is intact, and plain NeMo resumes from it bit for bit."""
+    link_reference(reference, tmp_path)
+    drained = tmp_path / "drained"
+    checkpoints = drained / "tiny" / "checkpoints"
+    train(tmp_path, "crash", shm_dir, "--every", "2", "--drain-every", "2", "--drain-log", str(drained),
+          "--drain-modelcheckpoint", "--drain-rate", "2e6", "--kill-mid-drain-of", "6", expect=-9)
+    found = visible(checkpoints)
+    assert sorted(found) == [2, 4], sorted(p.name for p in checkpoints.iterdir())
+    assert list(checkpoints.glob(".drain-*-6/weights/*.distcp")), "the kill came mid-drain"
+    for path in found.values():
+        assert_nemo_layout(path)
+    assert found[4].name == "tiny--step=3-consumed_samples=16.0-last", found[4].name  # as ModelCheckpoint names it
+    resumed = train(tmp_path, "resume", shm_dir, "--plain-resume", str(drained))
+    assert resumed["ckpt_path"] and Path(resumed["ckpt_path"]).parent == found[4], resumed["ckpt_path"]
+    assert [step for step, _ in resumed["losses"]] == list(range(5, STEPS + 1))
+    assert compare(tmp_path, resumed_from=None) == []
+
+
+def test_a_full_durable_filesystem_fails_drains_on_every_rank_training_goes_on_and_the_next_drain_retries(
+        reference, tmp_path, shm_dir, small_tmpfs):  # noqa: F811
+    """The durable directory lies on a real 16 MiB tmpfs filled up to 200 KB: the drains of steps 2 and 4
+    fail with ENOSPC (logged on both ranks), training goes on unchanged; once space is back, 6 and 8 land."""
+    import os
+
+    drained = small_tmpfs / "drained"
+    checkpoints = drained / "tiny" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    filler = small_tmpfs / "filler"
+    stat = os.statvfs(small_tmpfs)
+    filler.write_bytes(b"\0" * (stat.f_bavail * stat.f_frsize - (200 << 10)))
+    run = train(tmp_path, "full", shm_dir, "--every", "2", "--drain-every", "2", "--drain-log", str(drained),
+                "--unblock-at", "6", "--filler", str(filler))
+    expected = json.loads((reference / "reference" / "result.json").read_text())["losses"]
+    assert run["losses"] == expected, "training went on exactly as without checkpoints"
+    for rank in (0, 1):
+        log = (tmp_path / "full" / f"rank-{rank}.log").read_text()
+        for step in (2, 4):
+            assert f"Durable drain of step {step} to {checkpoints} failed on rank {rank}" in log, log[-3000:]
+        assert "MB free on the durable filesystem" in log, log[-3000:]
+    found = visible(checkpoints)
+    assert sorted(found) == [6, 8], sorted(p.name for p in checkpoints.iterdir())
+    assert found[8].name == "step=8-last"  # no ModelCheckpoint in this run to name it
+    leftovers = [p.name for p in checkpoints.iterdir() if (p.name.startswith(".drain-") and not p.name.endswith("-context")) or p.name.endswith("-unfinished")]
+    assert leftovers == [], leftovers
+    for rank in (0, 1):  # every hold released: retention may retire every drained RAM version again
+        assert not list(shm_dir.glob(f"step-*/.drain-hold-{rank}"))
+
+
+def test_sigterm_on_both_ranks_drains_the_newest_ram_version_and_plain_nemo_resumes_from_it_bit_exact(
+        reference, tmp_path, shm_dir):  # noqa: F811
+    """Drains every 4 steps; a real SIGTERM to both ranks after step 7 drains RAM step 6 (not due before
+    step 8), then each rank dies of the signal. Plain NeMo resumes from step 6's checkpoint bit for bit."""
+    link_reference(reference, tmp_path)
+    drained = tmp_path / "drained"
+    checkpoints = drained / "tiny" / "checkpoints"
+    crash = train(tmp_path, "crash", shm_dir, "--every", "2", "--drain-every", "4", "--drain-log", str(drained),
+                  "--drain-modelcheckpoint", "--sigterm-at", "7", expect=-15)
+    assert "Exiting on signal 15 after the durable drain" in crash["log"]
+    found = visible(checkpoints)
+    assert sorted(found) == [4, 6], sorted(p.name for p in checkpoints.iterdir())
+    assert_nemo_layout(found[6])
+    resumed = train(tmp_path, "resume", shm_dir, "--plain-resume", str(drained))
+    assert resumed["ckpt_path"] and Path(resumed["ckpt_path"]).parent == found[6], resumed["ckpt_path"]
+    assert [step for step, _ in resumed["losses"]] == [7, 8]
+    assert compare(tmp_path, resumed_from=None) == []
