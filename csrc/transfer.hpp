@@ -52,6 +52,12 @@ class TransferChecksumError : public TransferError {
  public:
   using TransferError::TransferError;
 };
+// An authenticated message (request, response, data chunk, trailer) failed its tag check: the
+// connection was tampered with or corrupted; nothing was stored. Never retried.
+class TransferIntegrityError : public TransferError {
+ public:
+  using TransferError::TransferError;
+};
 // The peer answered and refused the request (too large, I/O error on its side...). Never retried.
 class TransferRefusedError : public TransferError {
  public:
@@ -192,7 +198,7 @@ class TransferServer {
   std::deque<std::string> errors_;
   uint64_t errors_dropped_ = 0;
 
-  std::atomic<uint64_t> accepted_{0}, rejected_busy_{0}, auth_failures_{0}, protocol_failures_{0},
+  std::atomic<uint64_t> accepted_{0}, rejected_busy_{0}, auth_failures_{0}, protocol_failures_{0}, integrity_failures_{0},
       pushes_ok_{0}, fetches_ok_{0}, transfer_failures_{0}, bytes_received_{0}, bytes_sent_{0}, spares_taken_{0},
       mappings_reused_{0}, temp_files_swept_{0};
 };

@@ -7,6 +7,7 @@
 #include "bindings_common.hpp"
 #include "sha256.hpp"
 #include "transfer.hpp"
+#include "transfer_mac.hpp"
 
 namespace flashpoint {
 namespace bindings {
@@ -101,6 +102,9 @@ void register_transfer(py::module_& m) {
       "Connect, send or receive ran past its timeout (after the last retry). Also a TimeoutError.";
   py::register_exception<TransferChecksumError>(m, "TransferChecksumError", transfer_error).doc() =
       "Length or CRC32C of the received bytes did not match the sender's; nothing was renamed into place.";
+  py::register_exception<TransferIntegrityError>(m, "TransferIntegrityError", transfer_error).doc() =
+      "An authenticated message (request, response, data chunk or trailer) failed its tag check: the "
+      "connection was tampered with or corrupted on the way. Nothing was stored. Never retried.";
   auto& refused = py::register_exception<TransferRefusedError>(m, "TransferRefusedError", transfer_error);
   refused.doc() = "The peer refused the request (too large, I/O error on its side, ...). Never retried.";
   py::register_exception<TransferNotFoundError>(m, "TransferNotFoundError", refused).doc() =
@@ -115,12 +119,15 @@ void register_transfer(py::module_& m) {
       {m.attr("TransferNotFoundError").ptr(), is_a<TransferNotFoundError>},
       {m.attr("TransferRefusedError").ptr(), is_a<TransferRefusedError>},
       {m.attr("TransferChecksumError").ptr(), is_a<TransferChecksumError>},
+      {m.attr("TransferIntegrityError").ptr(), is_a<TransferIntegrityError>},
       {m.attr("TransferTimeoutError").ptr(), is_a<TransferTimeoutError>},
       {m.attr("TransferAuthError").ptr(), is_a<TransferAuthError>},
       {m.attr("TransferError").ptr(), is_a<TransferError>},
   };
   py::register_exception_translator(translate_transfer_error);
 
+  m.def("transfer_mac_backend", [] { return std::string(xfer::mac_backend()); },
+        "Which HMAC-SHA256 the transfer protocol uses: 'openssl' (libcrypto, fast) or 'builtin' (same tags, slower).");
   m.def(
       "sha256", [](const py::buffer& data) {
         py::buffer_info info = request_readable(data);

@@ -75,6 +75,7 @@ Fd connect_to(const std::string& host, int port, double timeout_s) {
     case kPathRefused: throw TransferPathError(msg);
     case kNotFound: throw TransferNotFoundError(msg);
     case kChecksum: throw TransferChecksumError(msg);
+    case kIntegrity: throw TransferIntegrityError(msg);
     case kBadRequest:
     case kTooLarge:
     case kIoError:
@@ -109,6 +110,8 @@ TransferResult with_retries(const TransferOptions& o, const std::string& what, A
       return r;
     } catch (const TransferAuthError& e) {
       throw TransferAuthError(what + ": " + e.what());
+    } catch (const TransferIntegrityError& e) {
+      throw TransferIntegrityError(what + ": " + e.what());  // tampering is not retried
     } catch (const TransferRefusedError&) {
       throw;  // the peer's message already names the path
     } catch (const TransferTimeoutError& e) {
@@ -228,6 +231,12 @@ TransferResult transfer_fetch(const std::string& host, int port, const std::stri
     TransferResult r;
     try {
       r.crc32c = receive_object(ch, tmp, size, buf);
+    } catch (const TransferIntegrityError& e) {
+      try {
+        send_response(ch, kIntegrity, 0, e.what());
+      } catch (const std::exception&) {
+      }
+      throw;
     } catch (const TransferChecksumError& e) {
       try {
         send_response(ch, kChecksum, 0, e.what());

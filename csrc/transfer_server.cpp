@@ -113,6 +113,7 @@ std::map<std::string, uint64_t> TransferServer::stats() const {
           {"rejected_busy", rejected_busy_.load()},
           {"auth_failures", auth_failures_.load()},
           {"protocol_failures", protocol_failures_.load()},
+          {"integrity_failures", integrity_failures_.load()},
           {"pushes_ok", pushes_ok_.load()},
           {"fetches_ok", fetches_ok_.load()},
           {"transfer_failures", transfer_failures_.load()},
@@ -292,6 +293,19 @@ void TransferServer::handle(int fd, const std::string& peer) {
     }
     path.resize(path_len);
     ch.recv_exact(&path[0], path_len, "request path");
+    KeyedMac& mac = ch.session().start_recv(kFrameRequest);
+    mac.update(req, sizeof(req));
+    mac.update(path.data(), path.size());
+    recv_tag(ch, mac, "request");
+  } catch (const TransferIntegrityError& e) {
+    integrity_failures_.fetch_add(1);
+    record_error("peer " + peer + ": " + e.what());
+    try {
+      send_response(ch, kIntegrity, 0, e.what());
+      drain_briefly(fd, stop_fd_);
+    } catch (const std::exception&) {
+    }
+    return;
   } catch (const std::exception& e) {
     protocol_failures_.fetch_add(1);
     record_error("peer " + peer + ": reading the request failed: " + e.what());
@@ -341,6 +355,11 @@ void TransferServer::handle_push(const Connection& c, const std::string& path, u
     ch.clear_deadline();
     try {
       receive_object(ch, *tmp, size, buf);
+    } catch (const TransferIntegrityError& e) {
+      tmp.reset();  // the temporary file is gone before the sender hears about it
+      integrity_failures_.fetch_add(1);
+      refuse(kIntegrity, std::string(e.what()));
+      return;
     } catch (const TransferChecksumError& e) {
       tmp.reset();  // the temporary file is gone before the sender hears about it
       refuse(kChecksum, std::string(e.what()) + "; object discarded");
@@ -395,7 +414,7 @@ void TransferServer::handle_fetch(const Connection& c, const std::string& path) 
     const uint32_t crc = send_object(ch, file.get(), 0, file_size, true, buf);
     send_trailer(ch, file_size, crc);
     bytes_sent_.fetch_add(file_size);
-    const Response ack = recv_response(ch);
+    const Response ack = recv_response(ch);  // TransferIntegrityError when forged
     if (ack.status != kOk) {
       transfer_failures_.fetch_add(1);
       record_error("peer " + peer + ": " + what + ": the client reported " + status_name(ack.status) + ": " + ack.message);

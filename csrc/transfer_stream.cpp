@@ -6,43 +6,43 @@
 namespace flashpoint {
 namespace xfer {
 
-// past what the populating thread has made ready. Returns the bytes received there: n, or less
-// when populating stopped early (the caller then pwrites the rest).
-static uint64_t receive_into_mapping(Channel& ch, WarmMapping& map, uint64_t n, size_t chunk, uint32_t* crc) {
-  uint64_t done = 0;
-  while (done < n) {
-    const uint64_t ready = map.wait_populated(std::min<uint64_t>(done + chunk, n));
-    if (ready <= done) break;
-    const size_t got = ch.recv_some(map.data() + done, static_cast<size_t>(ready - done), "object data");
-    *crc = crc32c(map.data() + done, got, *crc);
-    done += got;
-  }
-  return done;
-}
-
-// Receives [done, size) through buf: each chunk CRC'd while hot, then pwritten.
-static uint32_t receive_by_pwrite(Channel& ch, TempObject& out, uint64_t done, uint64_t size, uint32_t crc,
-                           std::vector<uint8_t>& buf) {
-  while (done < size) {
-    const size_t want = static_cast<size_t>(std::min<uint64_t>(buf.size(), size - done));
-    const size_t got = ch.recv_some(buf.data(), want, "object data");
-    crc = crc32c(buf.data(), got, crc);
-    out.write_at(buf.data(), got, done);
-    done += got;
-  }
-  return crc;
-}
-
-// Receives size bytes into the temp object, then the trailer; returns the CRC32C of the data.
+// Receives size bytes (chunk by chunk, each followed by its tag) into the temp object, then the
+// trailer; returns the CRC32C of the data. CRC and tag are computed on each piece while it is hot.
 // The part that lands on a spare's existing pages is received straight into a mapping of them
 // (one copy: socket -> page); the rest, and everything when there is no spare, is received into
 // buf and pwritten (two copies, but pwrite allocates new pages safely: no SIGBUS on ENOSPC).
-// Throws TransferChecksumError when the trailer's length or CRC disagrees.
+// Throws TransferIntegrityError when a chunk's or the trailer's tag is wrong (the bytes already
+// written are only in the temp file), TransferChecksumError when the trailer's length or CRC disagrees.
 uint32_t receive_object(Channel& ch, TempObject& out, uint64_t size, std::vector<uint8_t>& buf) {
   uint32_t crc = 0;
-  uint64_t done = 0;
-  if (WarmMapping* map = out.map_warm_pages()) done = receive_into_mapping(ch, *map, out.mapped_bytes(), buf.size(), &crc);
-  crc = receive_by_pwrite(ch, out, done, size, crc, buf);
+  WarmMapping* map = out.map_warm_pages();
+  uint64_t mapped = map ? out.mapped_bytes() : 0;  // lowered when populating stops early
+  for (uint64_t start = 0; start < size;) {
+    const uint64_t end = std::min<uint64_t>(size, start + kChunkBytes);
+    KeyedMac& mac = ch.session().start_recv(kFrameData);
+    for (uint64_t pos = start; pos < end;) {
+      if (pos < mapped) {
+        const uint64_t ready = map->wait_populated(std::min(end, mapped));
+        if (ready > pos) {
+          uint8_t* dst = map->data() + pos;
+          const size_t got = ch.recv_some(dst, static_cast<size_t>(ready - pos), "object data");
+          crc = crc32c(dst, got, crc);
+          mac.update(dst, got);
+          pos += got;
+          continue;
+        }
+        mapped = pos;
+      }
+      const size_t want = static_cast<size_t>(std::min<uint64_t>(buf.size(), end - pos));
+      const size_t got = ch.recv_some(buf.data(), want, "object data");
+      crc = crc32c(buf.data(), got, crc);
+      mac.update(buf.data(), got);
+      out.write_at(buf.data(), got, pos);
+      pos += got;
+    }
+    recv_tag(ch, mac, "object data chunk");
+    start = end;
+  }
   check_trailer(ch, size, crc);
   return crc;
 }
@@ -63,38 +63,38 @@ static void pread_exactly(int file_fd, uint8_t* dst, size_t n, uint64_t offset, 
   }
 }
 
-// Sends [offset, offset+size) of file_fd: each chunk is pread into buf and CRC'd (page cache ->
-// L2), then sent with sendfile() (no copy into the socket) or send() from buf. Returns the CRC.
+// Sends [offset, offset+size) chunk by chunk: each is pread into buf (page cache -> L2), tagged
+// (and CRC'd when crc is given) there, then sent with sendfile() (no copy into the socket) or
+// send() from buf, followed by its tag.
+static void send_chunks(Channel& ch, int file_fd, uint64_t offset, uint64_t size, bool zero_copy,
+                        std::vector<uint8_t>& buf, uint32_t* crc) {
+  bool use_sendfile = zero_copy;
+  for (uint64_t done = 0; done < size;) {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(kChunkBytes, size - done));
+    if (buf.size() < n) buf.resize(n);
+    pread_exactly(file_fd, buf.data(), n, offset + done, offset + size);
+    if (crc) *crc = crc32c(buf.data(), n, *crc);
+    KeyedMac& mac = ch.session().start_send(kFrameData);
+    mac.update(buf.data(), n);
+    if (use_sendfile) use_sendfile = ch.sendfile_all(file_fd, offset + done, n);
+    if (!use_sendfile) ch.send_all(buf.data(), n, "object data");
+    send_tag(ch, mac, "object data tag");
+    done += n;
+  }
+}
+
 uint32_t send_object(Channel& ch, int file_fd, uint64_t offset, uint64_t size, bool zero_copy,
                      std::vector<uint8_t>& buf) {
   uint32_t crc = 0;
-  uint64_t done = 0;
-  bool use_sendfile = zero_copy;
-  while (done < size) {
-    const size_t n = static_cast<size_t>(std::min<uint64_t>(buf.size(), size - done));
-    pread_exactly(file_fd, buf.data(), n, offset + done, offset + size);
-    crc = crc32c(buf.data(), n, crc);
-    if (use_sendfile) use_sendfile = ch.sendfile_all(file_fd, offset + done, n);
-    if (!use_sendfile) ch.send_all(buf.data(), n, "object data");
-    done += n;
-  }
+  send_chunks(ch, file_fd, offset, size, zero_copy, buf, &crc);
   return crc;
 }
 
-// Sends [offset, offset+size) of file_fd whose CRC32C the caller already knows (from the
-// object's index), so the data is never read into user space: one sendfile() for the whole
-// range, or pread + send when the kernel cannot sendfile from this file (or zero_copy is off).
-// The receiver still checks the bytes against that CRC.
+// The CRC32C is known (from the object's index), but the tags still need every byte in user
+// space, so this is send_object without the CRC.
 void send_object_known_crc(Channel& ch, int file_fd, uint64_t offset, uint64_t size, bool zero_copy,
                            std::vector<uint8_t>& buf) {
-  if (size == 0) return;
-  if (zero_copy && ch.sendfile_all(file_fd, offset, size)) return;
-  for (uint64_t done = 0; done < size;) {
-    const size_t n = static_cast<size_t>(std::min<uint64_t>(buf.size(), size - done));
-    pread_exactly(file_fd, buf.data(), n, offset + done, offset + size);
-    ch.send_all(buf.data(), n, "object data");
-    done += n;
-  }
+  send_chunks(ch, file_fd, offset, size, zero_copy, buf, nullptr);
 }
 
 }  // namespace xfer

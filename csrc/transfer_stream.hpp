@@ -7,15 +7,17 @@
 namespace flashpoint {
 namespace xfer {
 
-constexpr size_t kChunkBytes = size_t(256) << 10;  // one CRC + one write per chunk, stays in L2
+// One CRC + one tag + one write per chunk (stays in L2); also the unit of authentication:
+// chunk i is [i * kChunkBytes, min(size, (i + 1) * kChunkBytes)), followed by its tag.
+constexpr size_t kChunkBytes = size_t(256) << 10;
 
-// Receives size bytes into out, then the trailer; returns the CRC32C. TransferChecksumError
-// when the trailer disagrees.
+// Receives size bytes into out, then the trailer; returns the CRC32C. TransferIntegrityError
+// when a tag is wrong, TransferChecksumError when the trailer disagrees.
 uint32_t receive_object(Channel& ch, TempObject& out, uint64_t size, std::vector<uint8_t>& buf);
 // Sends [offset, offset+size) of file_fd, CRC32C of each chunk computed on the way; returns it.
 uint32_t send_object(Channel& ch, int file_fd, uint64_t offset, uint64_t size, bool zero_copy,
                      std::vector<uint8_t>& buf);
-// Sends [offset, offset+size) of file_fd whose CRC32C the caller already knows.
+// Sends [offset, offset+size) of file_fd whose CRC32C the caller already knows (still read: tags).
 void send_object_known_crc(Channel& ch, int file_fd, uint64_t offset, uint64_t size, bool zero_copy,
                            std::vector<uint8_t>& buf);
 

@@ -15,13 +15,17 @@ Digest256 handshake_mac(const std::string& secret, const char* label, const uint
   return h.finish();
 }
 
-void check_magic_version(const uint8_t* msg, const char* who) {
+void check_magic(const uint8_t* msg, const char* who) {
   if (std::memcmp(msg, kMagic, sizeof(kMagic)) != 0)
     throw TransferError(std::string("bad protocol magic from the ") + who + " (not a flashpoint transfer peer)");
+}
+
+void check_version(const uint8_t* msg, const char* who) {
   const uint32_t version = get_u32(msg + 8);
   if (version != kProtocolVersion)
     throw TransferError(std::string("unsupported protocol version ") + std::to_string(version) + " from the " + who +
-                        " (this side speaks " + std::to_string(kProtocolVersion) + ")");
+                        " (this side speaks " + std::to_string(kProtocolVersion) +
+                        "): install the same ml_flashpoint_nemo version on every node of the job");
   if (get_u32(msg + 12) != 0) throw TransferError(std::string("non-zero reserved field in the ") + who + " hello");
 }
 
@@ -36,6 +40,7 @@ const char* status_name(uint32_t s) {
     case kNotFound: return "not found";
     case kChecksum: return "checksum mismatch";
     case kIoError: return "I/O error";
+    case kIntegrity: return "integrity check failed";
     default: return "unknown status";
   }
 }
@@ -89,12 +94,21 @@ std::string random_hex(size_t bytes) {
 void server_handshake(Channel& ch, const std::string& secret) {
   uint8_t hello[kClientHelloBytes];
   ch.recv_exact(hello, sizeof(hello), "client hello");
-  check_magic_version(hello, "client");
-  const uint8_t* nonce_c = hello + 16;
+  check_magic(hello, "client");
   uint8_t reply[kServerHelloBytes];
   std::memcpy(reply, kMagic, sizeof(kMagic));
   put_u32(reply + 8, kProtocolVersion);
   put_u32(reply + 12, 0);
+  if (get_u32(hello + 8) != kProtocolVersion) {
+    // An older (or newer) client learns our version from a hello whose MAC is zero, then we close.
+    std::memset(reply + 16, 0, kNonceBytes + kMacBytes);
+    try {
+      ch.send_all(reply, sizeof(reply), "server hello");
+    } catch (const std::exception&) {
+    }
+  }
+  check_version(hello, "client");
+  const uint8_t* nonce_c = hello + 16;
   uint8_t* nonce_s = reply + 16;
   fill_random(nonce_s, kNonceBytes);
   const Digest256 server_mac = handshake_mac(secret, kServerLabel, nonce_c, nonce_s);
@@ -105,6 +119,7 @@ void server_handshake(Channel& ch, const std::string& secret) {
   const Digest256 expected = handshake_mac(secret, kClientLabel, nonce_c, nonce_s);
   if (!constant_time_equal(proof, expected.data(), kMacBytes))
     throw TransferAuthError("client failed authentication (wrong job secret)");
+  ch.start_session(std::unique_ptr<Session>(new Session(secret, nonce_c, nonce_s, /*is_client=*/false)));
 }
 
 void client_handshake(Channel& ch, const std::string& secret) {
@@ -117,14 +132,38 @@ void client_handshake(Channel& ch, const std::string& secret) {
   ch.send_all(hello, sizeof(hello), "client hello");
   uint8_t reply[kServerHelloBytes];
   ch.recv_exact(reply, sizeof(reply), "server hello");
-  check_magic_version(reply, "server");
+  check_magic(reply, "server");
+  check_version(reply, "server");
   const uint8_t* nonce_s = reply + 16;
   const Digest256 expected = handshake_mac(secret, kServerLabel, nonce_c, nonce_s);
   if (!constant_time_equal(reply + 16 + kNonceBytes, expected.data(), kMacBytes))
     throw TransferAuthError("server failed authentication (wrong job secret on one side, or not the expected peer)");
   const Digest256 proof = handshake_mac(secret, kClientLabel, nonce_c, nonce_s);
   ch.send_all(proof.data(), proof.size(), "client proof");
+  ch.start_session(std::unique_ptr<Session>(new Session(secret, nonce_c, nonce_s, /*is_client=*/true)));
 }
+
+void send_tag(Channel& ch, KeyedMac& mac, const char* what) {
+  const Digest256 tag = mac.finish();
+  ch.send_all(tag.data(), kTagBytes, what);
+}
+
+void recv_tag(Channel& ch, KeyedMac& mac, const char* what) {
+  uint8_t tag[kTagBytes];
+  ch.recv_exact(tag, sizeof(tag), what);
+  ch.session().verify(mac, tag, what);
+}
+
+namespace {
+// Sends body followed by its tag, in one send.
+void send_authenticated(Channel& ch, FrameKind kind, std::vector<uint8_t>& body, const char* what) {
+  KeyedMac& mac = ch.session().start_send(kind);
+  mac.update(body.data(), body.size());
+  const Digest256 tag = mac.finish();
+  body.insert(body.end(), tag.begin(), tag.end());
+  ch.send_all(body.data(), body.size(), what);
+}
+}  // namespace
 
 void send_request(Channel& ch, uint32_t op, const std::string& path, uint64_t size) {
   std::vector<uint8_t> buf(kRequestBytes + path.size());
@@ -134,7 +173,7 @@ void send_request(Channel& ch, uint32_t op, const std::string& path, uint64_t si
   put_u32(buf.data() + 16, 0);
   put_u32(buf.data() + 20, 0);
   std::memcpy(buf.data() + kRequestBytes, path.data(), path.size());
-  ch.send_all(buf.data(), buf.size(), "request");
+  send_authenticated(ch, kFrameRequest, buf, "request");
 }
 
 void send_response(Channel& ch, uint32_t status, uint64_t value, const std::string& message) {
@@ -144,7 +183,7 @@ void send_response(Channel& ch, uint32_t status, uint64_t value, const std::stri
   put_u32(buf.data() + 4, static_cast<uint32_t>(msg.size()));
   put_u64(buf.data() + 8, value);
   std::memcpy(buf.data() + kResponseBytes, msg.data(), msg.size());
-  ch.send_all(buf.data(), buf.size(), "response");
+  send_authenticated(ch, kFrameResponse, buf, "response");
 }
 
 Response recv_response(Channel& ch) {
@@ -155,9 +194,13 @@ Response recv_response(Channel& ch) {
   const uint32_t len = get_u32(head + 4);
   r.value = get_u64(head + 8);
   if (len > kMaxMessageBytes) throw TransferError("malformed response: message length " + std::to_string(len));
-  if (r.status > kIoError) throw TransferError("malformed response: unknown status " + std::to_string(r.status));
   r.message.resize(len);
   if (len) ch.recv_exact(&r.message[0], len, "response message");
+  KeyedMac& mac = ch.session().start_recv(kFrameResponse);
+  mac.update(head, sizeof(head));
+  mac.update(r.message.data(), r.message.size());
+  recv_tag(ch, mac, "response");
+  if (r.status > kIntegrity) throw TransferError("malformed response: unknown status " + std::to_string(r.status));
   return r;
 }
 
@@ -166,13 +209,17 @@ void send_trailer(Channel& ch, uint64_t nbytes, uint32_t crc) {
   put_u64(t, nbytes);
   put_u32(t + 8, crc);
   put_u32(t + 12, kTrailerMagic);
-  ch.send_all(t, sizeof(t), "trailer");
+  std::vector<uint8_t> body(t, t + sizeof(t));
+  send_authenticated(ch, kFrameTrailer, body, "trailer");
 }
 
 // Checks the trailer that follows the data against the length and CRC32C received.
 void check_trailer(Channel& ch, uint64_t size, uint32_t crc) {
   uint8_t t[kTrailerBytes];
   ch.recv_exact(t, sizeof(t), "trailer");
+  KeyedMac& mac = ch.session().start_recv(kFrameTrailer);
+  mac.update(t, sizeof(t));
+  recv_tag(ch, mac, "trailer");
   if (get_u32(t + 12) != kTrailerMagic) throw TransferError("malformed trailer (bad end magic)");
   const uint64_t their_n = get_u64(t);
   const uint32_t their_crc = get_u32(t + 8);
@@ -187,6 +234,5 @@ void check_trailer(Channel& ch, uint64_t size, uint32_t crc) {
   }
 }
 
-// Receives [0, n) straight into the warm mapping, CRC'ing each piece while it is hot, never
 }  // namespace xfer
 }  // namespace flashpoint

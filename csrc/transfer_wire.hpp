@@ -31,6 +31,7 @@
 #include "errors.hpp"
 #include "sha256.hpp"
 #include "transfer.hpp"
+#include "transfer_mac.hpp"
 
 namespace flashpoint {
 namespace xfer {
@@ -38,7 +39,7 @@ namespace xfer {
 using Clock = std::chrono::steady_clock;
 
 constexpr char kMagic[8] = {'M', 'L', 'F', 'P', 'X', 'F', 'R', '\0'};
-constexpr uint32_t kProtocolVersion = 1;
+constexpr uint32_t kProtocolVersion = 2;  // 2: everything after the handshake is authenticated
 constexpr size_t kNonceBytes = 32;
 constexpr size_t kMacBytes = 32;
 constexpr size_t kClientHelloBytes = 8 + 4 + 4 + kNonceBytes;
@@ -48,8 +49,8 @@ constexpr size_t kResponseBytes = 16;
 constexpr size_t kTrailerBytes = 16;
 constexpr uint32_t kTrailerMagic = 0x21444E45;  // "END!"
 constexpr size_t kMaxMessageBytes = 4096;
-constexpr const char kServerLabel[] = "mlfp-xfer-v1 server";
-constexpr const char kClientLabel[] = "mlfp-xfer-v1 client";
+constexpr const char kServerLabel[] = "mlfp-xfer-v2 server";
+constexpr const char kClientLabel[] = "mlfp-xfer-v2 client";
 
 enum Op : uint32_t { kOpPush = 1, kOpFetch = 2 };
 enum Status : uint32_t {
@@ -60,6 +61,7 @@ enum Status : uint32_t {
   kNotFound = 4,
   kChecksum = 5,
   kIoError = 6,
+  kIntegrity = 7,  // a message failed its tag check
 };
 
 const char* status_name(uint32_t s);
@@ -161,6 +163,13 @@ class Channel {
     has_deadline_ = true;
   }
   void clear_deadline() { has_deadline_ = false; }
+
+  // The authenticated session the handshake established; every message after it uses it.
+  void start_session(std::unique_ptr<Session> s) { session_ = std::move(s); }
+  Session& session() {
+    if (!session_) throw std::logic_error("transfer channel used before its handshake");
+    return *session_;
+  }
 
   void recv_exact(void* buf, size_t n, const char* what) {
     uint8_t* p = static_cast<uint8_t*>(buf);
@@ -269,6 +278,7 @@ class Channel {
   int stop_fd_;
   bool has_deadline_ = false;
   Clock::time_point deadline_;
+  std::unique_ptr<Session> session_;
 };
 
 inline void set_socket_options(int fd) {
@@ -276,7 +286,8 @@ inline void set_socket_options(int fd) {
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
 }
 
-// Authenticates both ends with the job secret (throws TransferAuthError on a wrong one).
+// Authenticates both ends with the job secret (throws TransferAuthError on a wrong one) and
+// starts the channel's session (keys derived from the secret and both nonces).
 void server_handshake(Channel& ch, const std::string& secret);
 void client_handshake(Channel& ch, const std::string& secret);
 
@@ -290,6 +301,9 @@ void send_request(Channel& ch, uint32_t op, const std::string& path, uint64_t si
 void send_response(Channel& ch, uint32_t status, uint64_t value, const std::string& message);
 Response recv_response(Channel& ch);
 void send_trailer(Channel& ch, uint64_t nbytes, uint32_t crc);
+// Receives a message's tag and checks it (TransferIntegrityError naming what).
+void recv_tag(Channel& ch, KeyedMac& mac, const char* what);
+void send_tag(Channel& ch, KeyedMac& mac, const char* what);
 // Checks the trailer that follows the data against the length and CRC32C received.
 void check_trailer(Channel& ch, uint64_t size, uint32_t crc);
 

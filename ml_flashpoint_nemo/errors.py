@@ -86,3 +86,10 @@ class ReplicationSecretError(FlashpointError):
 
 class DurableDrainError(FlashpointError):
     """A durable checkpoint could not be drained from RAM; the previous durable checkpoint is intact."""
+
+
+# The transfer service's errors are defined by the C++ core, which raises them; re-exported here
+# so that users catch them from one place. TransferIntegrityError: a message on a replication
+# connection failed its authentication tag (tampered with or corrupted on the way); nothing was
+# stored. Subclass of TransferError (an OSError).
+from ml_flashpoint_nemo._core import TransferError, TransferIntegrityError  # noqa: E402

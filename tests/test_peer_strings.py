@@ -49,9 +49,9 @@ def errors_until(srv, needle: str, timeout: float = 5.0) -> list[str]:
 
 def raw_request(srv, op: int, path: bytes, size: int = 0) -> tuple[int, int, str]:
     with peer.connect(HOST, srv.port, timeout=5) as sock:
-        peer.client_handshake(sock, SECRET)
-        sock.sendall(peer.request(op, path, size))
-        return peer.recv_response(sock)
+        s = peer.client_handshake(sock, SECRET)
+        s.send_request(op, path, size)
+        return s.recv_response()
 
 
 def test_fetching_a_name_with_byte_ff_then_errors_is_escaped_text(server):
@@ -77,10 +77,9 @@ def _serve_one_fetch_answering(listener: socket.socket, status: int, message: by
     conn, _ = listener.accept()
     with conn:
         conn.settimeout(10)
-        peer.server_handshake(conn, SECRET)
-        _, path_len, _, _, _ = peer.struct.unpack("<IIQII", peer.recv_exact(conn, 24))
-        peer.recv_exact(conn, path_len)
-        conn.sendall(peer.struct.pack("<IIQ", status, len(message), 0) + message)
+        s = peer.server_handshake(conn, SECRET)
+        s.recv_request()
+        conn.sendall(s.frame(peer.FRAME_RESPONSE, peer.struct.pack("<IIQ", status, len(message), 0) + message))
 
 
 @pytest.mark.parametrize("status", [peer.NOT_FOUND, peer.IO_ERROR, peer.PATH_REFUSED])
@@ -108,13 +107,14 @@ def test_a_clients_report_with_a_newline_is_escaped_in_errors(server):
     (base / "step-1").mkdir()
     (base / "step-1" / "obj.fpo").write_bytes(b"abc")
     with peer.connect(HOST, srv.port, timeout=5) as sock:
-        peer.client_handshake(sock, SECRET)
-        sock.sendall(peer.request(peer.OP_FETCH, b"step-1/obj.fpo", 0))
-        status, size, _ = peer.recv_response(sock)
+        s = peer.client_handshake(sock, SECRET)
+        s.send_request(peer.OP_FETCH, b"step-1/obj.fpo", 0)
+        status, size, _ = s.recv_response()
         assert status == peer.OK
-        peer.recv_exact(sock, size + 16)  # the object and its trailer
+        s.recv_data(size)
+        s.recv_trailer()
         report = b"bad \xfe" + FORGED.encode()
-        sock.sendall(peer.struct.pack("<IIQ", peer.CHECKSUM, len(report), 0) + report)
+        sock.sendall(s.frame(peer.FRAME_RESPONSE, peer.struct.pack("<IIQ", peer.CHECKSUM, len(report), 0) + report))
     errors = errors_until(srv, "bad \\xfe\\x0aCRITICAL root: forged line")
     assert all(printable(e) for e in errors), errors
     assert (base / "step-1" / "obj.fpo").read_bytes() == b"abc"

@@ -23,15 +23,24 @@ import sys
 import time
 
 MAGIC = b"MLFPXFR\0"
-VERSION = 1
-SERVER_LABEL = b"mlfp-xfer-v1 server"
-CLIENT_LABEL = b"mlfp-xfer-v1 client"
+VERSION = 2
+SERVER_LABEL = b"mlfp-xfer-v2 server"
+CLIENT_LABEL = b"mlfp-xfer-v2 client"
+KEY_CLIENT_TO_SERVER = b"mlfp-xfer-v2 key client->server"
+KEY_SERVER_TO_CLIENT = b"mlfp-xfer-v2 key server->client"
 OP_PUSH, OP_FETCH = 1, 2
-OK, BAD_REQUEST, PATH_REFUSED, TOO_LARGE, NOT_FOUND, CHECKSUM, IO_ERROR = range(7)
+OK, BAD_REQUEST, PATH_REFUSED, TOO_LARGE, NOT_FOUND, CHECKSUM, IO_ERROR, INTEGRITY = range(8)
+FRAME_REQUEST, FRAME_RESPONSE, FRAME_DATA, FRAME_TRAILER = 1, 2, 3, 4
 TRAILER_MAGIC = 0x21444E45
+CHUNK = 256 << 10
+TAG = 32
 
 
 class HandshakeFailed(Exception):
+    pass
+
+
+class TagMismatch(Exception):
     pass
 
 
@@ -61,7 +70,95 @@ def connect(host: str, port: int, timeout: float = 10.0) -> socket.socket:
     return sock
 
 
-def client_handshake(sock: socket.socket, secret: bytes) -> None:
+class Session:
+    """An authenticated connection after the handshake: every message carries a tag over its
+    direction's sequence number, its kind and its bytes (docs/protocol.md)."""
+
+    def __init__(self, sock: socket.socket, secret: bytes, nonce_c: bytes, nonce_s: bytes, is_client: bool):
+        self.sock = sock
+        c2s = mac(secret, KEY_CLIENT_TO_SERVER, nonce_c, nonce_s)
+        s2c = mac(secret, KEY_SERVER_TO_CLIENT, nonce_c, nonce_s)
+        self.send_key, self.recv_key = (c2s, s2c) if is_client else (s2c, c2s)
+        self.send_seq = self.recv_seq = 0
+
+    # socket-like, so tests can treat a Session as the connection
+    def sendall(self, raw: bytes) -> None:
+        self.sock.sendall(raw)
+
+    def recv(self, n: int) -> bytes:
+        return self.sock.recv(n)
+
+    def settimeout(self, t: float | None) -> None:
+        self.sock.settimeout(t)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _tag(self, key: bytes, seq: int, kind: int, body: bytes) -> bytes:
+        return hmac.new(key, struct.pack("<QB", seq, kind) + body, hashlib.sha256).digest()
+
+    def frame(self, kind: int, body: bytes) -> bytes:
+        """body + its tag, consuming one send sequence number."""
+        tag = self._tag(self.send_key, self.send_seq, kind, body)
+        self.send_seq += 1
+        return body + tag
+
+    def check(self, kind: int, body: bytes, tag: bytes) -> None:
+        expected = self._tag(self.recv_key, self.recv_seq, kind, body)
+        self.recv_seq += 1
+        if not hmac.compare_digest(expected, tag):
+            raise TagMismatch(f"tag of a kind-{kind} message does not match")
+
+    def send_request(self, op: int, path: bytes, size: int, *, path_len: int | None = None, flags: int = 0) -> None:
+        self.sock.sendall(self.frame(FRAME_REQUEST, request(op, path, size, path_len=path_len, flags=flags)))
+
+    def send_response(self, status: int, value: int = 0, msg: str = "") -> None:
+        raw = msg.encode()
+        self.sock.sendall(self.frame(FRAME_RESPONSE, struct.pack("<IIQ", status, len(raw), value) + raw))
+
+    def recv_response(self) -> tuple[int, int, str]:
+        head = recv_exact(self.sock, 16)
+        status, msg_len, value = struct.unpack("<IIQ", head)
+        raw = recv_exact(self.sock, msg_len)
+        self.check(FRAME_RESPONSE, head + raw, recv_exact(self.sock, TAG))
+        return status, value, raw.decode("utf-8", "replace")
+
+    def recv_request(self) -> tuple[int, bytes, int]:
+        head = recv_exact(self.sock, 24)
+        op, path_len, size, _, _ = struct.unpack("<IIQII", head)
+        path = recv_exact(self.sock, path_len)
+        self.check(FRAME_REQUEST, head + path, recv_exact(self.sock, TAG))
+        return op, path, size
+
+    def data(self, data: bytes) -> bytes:
+        """The object's chunks, each followed by its tag."""
+        return b"".join(self.frame(FRAME_DATA, data[i:i + CHUNK]) for i in range(0, len(data), CHUNK))
+
+    def recv_data(self, size: int) -> bytes:
+        out = bytearray()
+        while len(out) < size:
+            chunk = recv_exact(self.sock, min(CHUNK, size - len(out)))
+            self.check(FRAME_DATA, chunk, recv_exact(self.sock, TAG))
+            out += chunk
+        return bytes(out)
+
+    def trailer(self, nbytes: int, crc: int) -> bytes:
+        return self.frame(FRAME_TRAILER, trailer(nbytes, crc))
+
+    def recv_trailer(self) -> tuple[int, int]:
+        body = recv_exact(self.sock, 16)
+        self.check(FRAME_TRAILER, body, recv_exact(self.sock, TAG))
+        nbytes, crc, _ = struct.unpack("<QII", body)
+        return nbytes, crc
+
+
+def client_handshake(sock: socket.socket, secret: bytes) -> Session:
     nonce_c = os.urandom(32)
     sock.sendall(MAGIC + struct.pack("<II", VERSION, 0) + nonce_c)
     reply = recv_exact(sock, 80)
@@ -71,100 +168,94 @@ def client_handshake(sock: socket.socket, secret: bytes) -> None:
     if not hmac.compare_digest(server_mac, mac(secret, SERVER_LABEL, nonce_c, nonce_s)):
         raise HandshakeFailed("server proof does not match our secret")
     sock.sendall(mac(secret, CLIENT_LABEL, nonce_c, nonce_s))
+    return Session(sock, secret, nonce_c, nonce_s, is_client=True)
 
 
-def server_handshake(sock: socket.socket, secret: bytes) -> None:
+def server_handshake(sock: socket.socket, secret: bytes, version: int = VERSION) -> Session:
     hello = recv_exact(sock, 48)
     if hello[:8] != MAGIC:
         raise HandshakeFailed("bad magic from client")
     nonce_c = hello[16:48]
     nonce_s = os.urandom(32)
-    sock.sendall(MAGIC + struct.pack("<II", VERSION, 0) + nonce_s + mac(secret, SERVER_LABEL, nonce_c, nonce_s))
+    sock.sendall(MAGIC + struct.pack("<II", version, 0) + nonce_s + mac(secret, SERVER_LABEL, nonce_c, nonce_s))
     proof = recv_exact(sock, 32)
     if not hmac.compare_digest(proof, mac(secret, CLIENT_LABEL, nonce_c, nonce_s)):
         raise HandshakeFailed("client proof does not match")
+    return Session(sock, secret, nonce_c, nonce_s, is_client=False)
 
 
 def request(op: int, path: bytes, size: int, *, path_len: int | None = None, flags: int = 0) -> bytes:
+    """A request's bytes without its tag (Session.send_request adds it)."""
     n = len(path) if path_len is None else path_len
     return struct.pack("<IIQII", op, n, size, flags, 0) + path
 
 
-def recv_response(sock: socket.socket) -> tuple[int, int, str]:
-    status, msg_len, value = struct.unpack("<IIQ", recv_exact(sock, 16))
-    return status, value, recv_exact(sock, msg_len).decode("utf-8", "replace")
-
-
-def send_response(sock: socket.socket, status: int, value: int = 0, msg: str = "") -> None:
-    raw = msg.encode()
-    sock.sendall(struct.pack("<IIQ", status, len(raw), value) + raw)
-
-
 def trailer(nbytes: int, crc: int) -> bytes:
+    """A trailer's bytes without its tag (Session.trailer adds it)."""
     return struct.pack("<QII", nbytes, crc, TRAILER_MAGIC)
 
 
 def push(host: str, port: int, secret: bytes, path: str | bytes, data: bytes, *,
          corrupt_at: int | None = None, timeout: float = 10.0) -> tuple[int, int, str]:
-    """PUSH data; with corrupt_at, flips that byte on the wire but sends the CRC of the original.
+    """PUSH data; with corrupt_at, flips that byte before tagging (a sender whose memory is bad:
+    the tags match, the CRC32C of the original data does not).
 
     Returns the server's final (status, value, message), or its refusal of the request."""
     raw_path = path.encode() if isinstance(path, str) else path
     with connect(host, port, timeout) as sock:
-        client_handshake(sock, secret)
-        sock.sendall(request(OP_PUSH, raw_path, len(data)))
-        ready = recv_response(sock)
+        s = client_handshake(sock, secret)
+        s.send_request(OP_PUSH, raw_path, len(data))
+        ready = s.recv_response()
         if ready[0] != OK:
             return ready
         wire = bytearray(data)
         if corrupt_at is not None:
             wire[corrupt_at] ^= 0x40
-        sock.sendall(bytes(wire) + trailer(len(data), crc32c(data)))
-        return recv_response(sock)
+        sock.sendall(s.data(bytes(wire)) + s.trailer(len(data), crc32c(data)))
+        return s.recv_response()
 
 
 def serve_one_fetch(listener: socket.socket, secret: bytes, data: bytes, *, corrupt_at: int | None = None,
                     stall_after: int | None = None, results: list | None = None) -> None:
-    """Serve one FETCH from a C++ client: flips byte corrupt_at (keeping the original CRC), or
-    stops sending after stall_after bytes and waits for the client to give up."""
+    """Serve one FETCH from a C++ client: flips byte corrupt_at before tagging (keeping the
+    original CRC), or stops sending after stall_after bytes and waits for the client to give up."""
     conn, _ = listener.accept()
     with conn:
         conn.settimeout(30)
         try:
-            server_handshake(conn, secret)
-            op, path_len, size, _, _ = struct.unpack("<IIQII", recv_exact(conn, 24))
-            recv_exact(conn, path_len)
-            send_response(conn, OK, len(data), "sending")
+            s = server_handshake(conn, secret)
+            s.recv_request()
+            s.send_response(OK, len(data), "sending")
             wire = bytearray(data)
             if corrupt_at is not None:
                 wire[corrupt_at] ^= 0x01
             if stall_after is not None:
-                conn.sendall(bytes(wire[:stall_after]))
+                conn.sendall(s.data(bytes(wire))[:stall_after])
                 conn.recv(1)  # returns once the client closes
                 if results is not None:
                     results.append("client closed")
                 return
-            conn.sendall(bytes(wire) + trailer(len(data), crc32c(data)))
+            conn.sendall(s.data(bytes(wire)) + s.trailer(len(data), crc32c(data)))
             if results is not None:
-                results.append(recv_response(conn))
-        except (OSError, HandshakeFailed) as e:
+                results.append(s.recv_response())
+        except (OSError, HandshakeFailed, TagMismatch) as e:
             if results is not None:
                 results.append(e)
 
 
 def _push_half(host: str, port: int, secret_hex: str, path: str, size: int) -> None:
     sock = connect(host, port)
-    client_handshake(sock, bytes.fromhex(secret_hex))
-    sock.sendall(request(OP_PUSH, path.encode(), size))
-    status, _, msg = recv_response(sock)
+    s = client_handshake(sock, bytes.fromhex(secret_hex))
+    s.send_request(OP_PUSH, path.encode(), size)
+    status, _, msg = s.recv_response()
     if status != OK:
         print(f"REFUSED {status} {msg}", flush=True)
         return
-    block = b"\xab" * (1 << 20)
+    block = b"\xab" * CHUNK
     left = size // 2
     while left > 0:
         n = min(left, len(block))
-        sock.sendall(block[:n])
+        sock.sendall(s.frame(FRAME_DATA, block[:n]))
         left -= n
     print("HALF", flush=True)
     time.sleep(120)
