@@ -92,4 +92,4 @@ class DurableDrainError(FlashpointError):
 # so that users catch them from one place. TransferIntegrityError: a message on a replication
 # connection failed its authentication tag (tampered with or corrupted on the way); nothing was
 # stored. Subclass of TransferError (an OSError).
-from ml_flashpoint_nemo._core import TransferError, TransferIntegrityError  # noqa: E402
+from ml_flashpoint_nemo._core import TransferError, TransferIntegrityError  # noqa: E402, F401 - re-exported
