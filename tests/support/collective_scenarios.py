@@ -36,9 +36,9 @@ def keep_after_a_local_failure(p: dict[str, Any]) -> None:
         if dist.get_rank() == 0 and p["failure"] == "peer_name":
             host, port = service.addresses[0]
             with peer.connect(host, port, timeout=5) as sock:
-                peer.client_handshake(sock, service._endpoints.secret)
-                sock.sendall(peer.request(peer.OP_FETCH, b"step-1/\xff\nforged", 0))
-                assert peer.recv_response(sock)[0] == peer.NOT_FOUND
+                session = peer.client_handshake(sock, service._endpoints.secret)
+                session.send_request(peer.OP_FETCH, b"step-1/\xff\nforged", 0)
+                assert session.recv_response()[0] == peer.NOT_FOUND
         if dist.get_rank() == 1 and p["failure"] == "listing":
             def broken(layout: Any) -> list[int]:
                 raise PermissionError(13, "Permission denied", os.fspath(layout.base_dir))

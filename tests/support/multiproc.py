@@ -7,12 +7,14 @@ hung rank is killed at the timeout instead of hanging the suite.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -98,3 +100,20 @@ def scenario_main(scenarios: dict[str, Callable[[dict[str, Any]], None]]) -> Non
         scenarios[name](params)
     finally:
         dist.destroy_process_group()
+    _exit_before_gloo_threads_race_finalization()
+
+
+def _exit_before_gloo_threads_race_finalization() -> None:
+    """Run what a normal exit runs (thread joins, atexit hooks), then leave without finalizing.
+
+    A gloo worker thread drops the tensors of the last collective only after the caller's wait
+    has returned, and dropping them takes the GIL; when the interpreter is finalizing by then,
+    that thread is unwound through a noexcept destructor and the process aborts ("terminate
+    called without an active exception", a torch race, not ours). os._exit after the same exit
+    steps leaves those threads alone. A scenario that raised exits the normal way (exit status 1).
+    """
+    threading._shutdown()  # type: ignore[attr-defined]  # joins non-daemon threads, as exit does
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
