@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "bindings_common.hpp"
+#include "gmac.hpp"
 #include "sha256.hpp"
 #include "transfer.hpp"
 #include "transfer_mac.hpp"
@@ -127,7 +128,34 @@ void register_transfer(py::module_& m) {
   py::register_exception_translator(translate_transfer_error);
 
   m.def("transfer_mac_backend", [] { return std::string(xfer::mac_backend()); },
-        "Which HMAC-SHA256 the transfer protocol uses: 'openssl' (libcrypto, fast) or 'builtin' (same tags, slower).");
+        "Which AES-256-GMAC implementation new transfer sessions use: 'openssl' (libcrypto), 'avx512-vpclmul', "
+        "'pclmul' or 'portable' (built in). All compute the same tags.");
+  m.def("set_transfer_mac_backend", &xfer::set_mac_backend, py::arg("name"),
+        "Makes new transfer sessions of this process use the named AES-256-GMAC backend (one of gmac_backends(); "
+        "ValueError otherwise). For tests and measurements: every backend computes the same tags.");
+  m.def("gmac_backends", &gmac_backends,
+        "The AES-256-GMAC implementations this build and CPU can run, the default first.");
+  m.def(
+      "gmac",
+      [](const py::buffer& key, const py::buffer& nonce, const py::list& parts, const std::string& backend) {
+        const std::string k = buffer_bytes(key), n = buffer_bytes(nonce);
+        if (k.size() != kGmacKeyBytes) throw std::invalid_argument("key must be 32 bytes (AES-256)");
+        if (n.size() != kGmacNonceBytes) throw std::invalid_argument("nonce must be 12 bytes");
+        std::vector<std::string> pieces;
+        for (const py::handle& part : parts) pieces.push_back(buffer_bytes(py::reinterpret_borrow<py::buffer>(part)));
+        GmacTag tag;
+        {
+          py::gil_scoped_release release;
+          Gmac g(reinterpret_cast<const uint8_t*>(k.data()), backend);
+          g.begin(reinterpret_cast<const uint8_t*>(n.data()));
+          for (const std::string& piece : pieces) g.update(piece.data(), piece.size());
+          tag = g.finish();
+        }
+        return py::bytes(reinterpret_cast<const char*>(tag.data()), tag.size());
+      },
+      py::arg("key"), py::arg("nonce"), py::arg("parts"), py::arg("backend") = "",
+      "AES-256-GMAC tag (16 bytes) of the concatenated parts (fed to the backend one part at a time) under "
+      "key (32 bytes) and nonce (12 bytes), with the named backend ('' = the default; ValueError if unavailable).");
   m.def(
       "sha256", [](const py::buffer& data) {
         py::buffer_info info = request_readable(data);

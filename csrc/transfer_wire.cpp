@@ -144,7 +144,7 @@ void client_handshake(Channel& ch, const std::string& secret) {
 }
 
 void send_tag(Channel& ch, KeyedMac& mac, const char* what) {
-  const Digest256 tag = mac.finish();
+  const GmacTag tag = mac.finish();
   ch.send_all(tag.data(), kTagBytes, what);
 }
 
@@ -159,7 +159,7 @@ namespace {
 void send_authenticated(Channel& ch, FrameKind kind, std::vector<uint8_t>& body, const char* what) {
   KeyedMac& mac = ch.session().start_send(kind);
   mac.update(body.data(), body.size());
-  const Digest256 tag = mac.finish();
+  const GmacTag tag = mac.finish();
   body.insert(body.end(), tag.begin(), tag.end());
   ch.send_all(body.data(), body.size(), what);
 }

@@ -39,7 +39,7 @@ namespace xfer {
 using Clock = std::chrono::steady_clock;
 
 constexpr char kMagic[8] = {'M', 'L', 'F', 'P', 'X', 'F', 'R', '\0'};
-constexpr uint32_t kProtocolVersion = 2;  // 2: everything after the handshake is authenticated
+constexpr uint32_t kProtocolVersion = 3;  // 2: everything after the handshake authenticated; 3: with AES-256-GMAC tags
 constexpr size_t kNonceBytes = 32;
 constexpr size_t kMacBytes = 32;
 constexpr size_t kClientHelloBytes = 8 + 4 + 4 + kNonceBytes;

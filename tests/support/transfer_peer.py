@@ -2,7 +2,8 @@
 
 Tests use it to play peers the C++ code must not trust: one that corrupts a byte but sends the
 CRC32C of the original data, one that sends half an object and stalls or dies, one that sends
-hostile request fields. It only uses the standard library, so a subprocess running it starts fast.
+hostile request fields. It only uses the standard library and its own pure-Python AES-256-GMAC
+(tests/support/aes_gmac.py), so a subprocess running it starts fast.
 
 Run as a script, it is the "peer killed mid-transfer" helper:
 
@@ -22,18 +23,21 @@ import struct
 import sys
 import time
 
+from tests.support.aes_gmac import Gmac
+
 MAGIC = b"MLFPXFR\0"
-VERSION = 2
+VERSION = 3
 SERVER_LABEL = b"mlfp-xfer-v2 server"
 CLIENT_LABEL = b"mlfp-xfer-v2 client"
-KEY_CLIENT_TO_SERVER = b"mlfp-xfer-v2 key client->server"
-KEY_SERVER_TO_CLIENT = b"mlfp-xfer-v2 key server->client"
+KEY_CLIENT_TO_SERVER = b"mlfp-xfer-v3 key client->server"
+KEY_SERVER_TO_CLIENT = b"mlfp-xfer-v3 key server->client"
 OP_PUSH, OP_FETCH = 1, 2
 OK, BAD_REQUEST, PATH_REFUSED, TOO_LARGE, NOT_FOUND, CHECKSUM, IO_ERROR, INTEGRITY = range(8)
 FRAME_REQUEST, FRAME_RESPONSE, FRAME_DATA, FRAME_TRAILER = 1, 2, 3, 4
+CLIENT_TO_SERVER, SERVER_TO_CLIENT = 1, 2  # the first byte of a tag's nonce
 TRAILER_MAGIC = 0x21444E45
 CHUNK = 256 << 10
-TAG = 32
+TAG = 16  # AES-256-GMAC
 
 
 class HandshakeFailed(Exception):
@@ -70,15 +74,35 @@ def connect(host: str, port: int, timeout: float = 10.0) -> socket.socket:
     return sock
 
 
+def nonce(direction: int, kind: int, seq: int) -> bytes:
+    """A message's GMAC nonce: u8 direction, u8 kind, u16 zero, u64 sequence number (little-endian)."""
+    return struct.pack("<BBHQ", direction, kind, 0, seq)
+
+
+class _Tagger:
+    """One direction's GMAC key; remembers the GHASH of the last message, since a peer that sends
+    the same block again and again (push-half) would otherwise spend its time hashing it."""
+
+    def __init__(self, key: bytes, direction: int):
+        self.gmac = Gmac(key)
+        self.direction = direction
+        self._last: tuple[bytes, int] | None = None
+
+    def tag(self, seq: int, kind: int, body: bytes) -> bytes:
+        if self._last is None or self._last[0] != body:
+            self._last = (body, self.gmac.ghash_of(body))
+        return self.gmac.tag(nonce(self.direction, kind, seq), body, self._last[1])
+
+
 class Session:
-    """An authenticated connection after the handshake: every message carries a tag over its
-    direction's sequence number, its kind and its bytes (docs/protocol.md)."""
+    """An authenticated connection after the handshake: every message carries an AES-256-GMAC tag
+    whose nonce holds its direction, its kind and its direction's sequence number (docs/protocol.md)."""
 
     def __init__(self, sock: socket.socket, secret: bytes, nonce_c: bytes, nonce_s: bytes, is_client: bool):
         self.sock = sock
-        c2s = mac(secret, KEY_CLIENT_TO_SERVER, nonce_c, nonce_s)
-        s2c = mac(secret, KEY_SERVER_TO_CLIENT, nonce_c, nonce_s)
-        self.send_key, self.recv_key = (c2s, s2c) if is_client else (s2c, c2s)
+        c2s = _Tagger(mac(secret, KEY_CLIENT_TO_SERVER, nonce_c, nonce_s), CLIENT_TO_SERVER)
+        s2c = _Tagger(mac(secret, KEY_SERVER_TO_CLIENT, nonce_c, nonce_s), SERVER_TO_CLIENT)
+        self._send, self._recv = (c2s, s2c) if is_client else (s2c, c2s)
         self.send_seq = self.recv_seq = 0
 
     # socket-like, so tests can treat a Session as the connection
@@ -100,17 +124,14 @@ class Session:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _tag(self, key: bytes, seq: int, kind: int, body: bytes) -> bytes:
-        return hmac.new(key, struct.pack("<QB", seq, kind) + body, hashlib.sha256).digest()
-
     def frame(self, kind: int, body: bytes) -> bytes:
         """body + its tag, consuming one send sequence number."""
-        tag = self._tag(self.send_key, self.send_seq, kind, body)
+        tag = self._send.tag(self.send_seq, kind, body)
         self.send_seq += 1
         return body + tag
 
     def check(self, kind: int, body: bytes, tag: bytes) -> None:
-        expected = self._tag(self.recv_key, self.recv_seq, kind, body)
+        expected = self._recv.tag(self.recv_seq, kind, body)
         self.recv_seq += 1
         if not hmac.compare_digest(expected, tag):
             raise TagMismatch(f"tag of a kind-{kind} message does not match")
