@@ -547,22 +547,30 @@ class OpenSslGmac final : public Gmac::Impl {
 
 }  // namespace
 
-const char* gmac_backend() {
-#ifdef FLASHPOINT_HAVE_OPENSSL
-  return kOpenSslName;
-#else
-  return builtin_backends().front().name;
-#endif
-}
-
-std::vector<std::string> gmac_backends() {
+namespace {
+// Fastest first, as measured on one core (256 KiB messages, OpenSSL 3.0 on an AVX-512 CPU):
+// avx512-vpclmul about twice OpenSSL's speed, pclmul about 0.7x, portable about 0.05x.
+std::vector<std::string> rank_backends() {
   std::vector<std::string> names;
+  const std::vector<BuiltinBackend>& builtin = builtin_backends();
+  size_t next = 0;
+  if (std::string(builtin.front().name) == "avx512-vpclmul") names.emplace_back(builtin[next++].name);
 #ifdef FLASHPOINT_HAVE_OPENSSL
   names.emplace_back(kOpenSslName);
 #endif
-  for (const BuiltinBackend& b : builtin_backends()) names.emplace_back(b.name);
+  for (; next < builtin.size(); ++next) names.emplace_back(builtin[next].name);
   return names;
 }
+
+const std::vector<std::string>& ranked_backends() {
+  static const std::vector<std::string> names = rank_backends();
+  return names;
+}
+}  // namespace
+
+const char* gmac_backend() { return ranked_backends().front().c_str(); }
+
+std::vector<std::string> gmac_backends() { return ranked_backends(); }
 
 Gmac::Gmac(const uint8_t* key, const std::string& backend) {
   const std::string want = backend.empty() ? std::string(gmac_backend()) : backend;

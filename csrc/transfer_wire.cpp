@@ -143,9 +143,9 @@ void client_handshake(Channel& ch, const std::string& secret) {
   ch.start_session(std::unique_ptr<Session>(new Session(secret, nonce_c, nonce_s, /*is_client=*/true)));
 }
 
-void send_tag(Channel& ch, KeyedMac& mac, const char* what) {
+void send_tag(Channel& ch, KeyedMac& mac, const char* what, int flags) {
   const GmacTag tag = mac.finish();
-  ch.send_all(tag.data(), kTagBytes, what);
+  ch.send_all(tag.data(), kTagBytes, what, flags);
 }
 
 void recv_tag(Channel& ch, KeyedMac& mac, const char* what) {

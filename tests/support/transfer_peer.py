@@ -22,6 +22,7 @@ import socket
 import struct
 import sys
 import time
+from collections.abc import Iterator
 
 from tests.support.aes_gmac import Gmac
 
@@ -157,9 +158,22 @@ class Session:
         self.check(FRAME_REQUEST, head + path, recv_exact(self.sock, TAG))
         return op, path, size
 
-    def data(self, data: bytes) -> bytes:
-        """The object's chunks, each followed by its tag."""
-        return b"".join(self.frame(FRAME_DATA, data[i:i + CHUNK]) for i in range(0, len(data), CHUNK))
+    def data_frames(self, data: bytes) -> Iterator[bytes]:
+        """The object's chunks, each followed by its tag, tagged one at a time (pure-Python GMAC
+        takes ~0.1 s per chunk: a peer that tagged everything first would let the receiver's
+        io_timeout_s expire before its first byte)."""
+        for i in range(0, len(data), CHUNK):
+            yield self.frame(FRAME_DATA, data[i:i + CHUNK])
+
+    def send_data(self, data: bytes, limit: int | None = None) -> None:
+        """Sends the tagged chunks as they are tagged; with limit, only their first limit bytes."""
+        for frame in self.data_frames(data):
+            if limit is not None:
+                if limit <= 0:
+                    return
+                frame = frame[:limit]
+                limit -= len(frame)
+            self.sock.sendall(frame)
 
     def recv_data(self, size: int) -> bytes:
         out = bytearray()
@@ -232,7 +246,8 @@ def push(host: str, port: int, secret: bytes, path: str | bytes, data: bytes, *,
         wire = bytearray(data)
         if corrupt_at is not None:
             wire[corrupt_at] ^= 0x40
-        sock.sendall(s.data(bytes(wire)) + s.trailer(len(data), crc32c(data)))
+        s.send_data(bytes(wire))
+        sock.sendall(s.trailer(len(data), crc32c(data)))
         return s.recv_response()
 
 
@@ -251,12 +266,13 @@ def serve_one_fetch(listener: socket.socket, secret: bytes, data: bytes, *, corr
             if corrupt_at is not None:
                 wire[corrupt_at] ^= 0x01
             if stall_after is not None:
-                conn.sendall(s.data(bytes(wire))[:stall_after])
+                s.send_data(bytes(wire), limit=stall_after)
                 conn.recv(1)  # returns once the client closes
                 if results is not None:
                     results.append("client closed")
                 return
-            conn.sendall(s.data(bytes(wire)) + s.trailer(len(data), crc32c(data)))
+            s.send_data(bytes(wire))
+            conn.sendall(s.trailer(len(data), crc32c(data)))
             if results is not None:
                 results.append(s.recv_response())
         except (OSError, HandshakeFailed, TagMismatch) as e:
