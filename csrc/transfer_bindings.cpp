@@ -197,16 +197,18 @@ void register_transfer(py::module_& m) {
       py::arg("host"), py::arg("port"), py::arg("secret"), py::arg("local_base_dir"), py::arg("path"),
       py::arg("remote_path") = py::none(), py::kw_only(), py::arg("connect_timeout_s") = 5.0,
       py::arg("io_timeout_s") = 30.0, py::arg("retries") = 3, py::arg("backoff_s") = 0.2,
-      py::arg("zero_copy") = true, py::arg("crc32c") = py::none(),
+      py::arg("zero_copy") = false, py::arg("crc32c") = py::none(),
       "Push local_base_dir/path to a TransferServer as remote_path (default: path).\n\n"
       "Both paths are relative and confined (no absolute path, '..', empty component, NUL, symlink).\n"
       "The server stores the object atomically (hidden temp file, CRC32C + length check, fsync, rename).\n"
       "Connect failures, timeouts, lost connections and checksum mismatches are retried `retries` times,\n"
       "sleeping backoff_s * 2**i before retry i; authentication failures and refusals are not.\n"
-      "zero_copy=True sends with sendfile() (each chunk is pread and CRC'd first), else with send().\n"
+      "Each 256 KiB chunk is pread and tagged (AES-256-GMAC), then sent from that buffer with send();\n"
+      "zero_copy=True sends it with sendfile() instead, which costs more CPU here: the bytes were read for\n"
+      "the tag anyway, and sendfile's page-sized pieces make more, smaller segments for both ends.\n"
       "crc32c: the CRC32C of the bytes being sent when the caller knows it (e.g. from the object's\n"
-      "index): the data is then only sendfile()d, never read here; the receiver still checks the bytes\n"
-      "against it and refuses them (TransferChecksumError, nothing stored) when they differ.\n"
+      "index): it is then not computed here; the receiver still checks the bytes against it and\n"
+      "refuses them (TransferChecksumError, nothing stored) when they differ.\n"
       "Returns {'nbytes', 'crc32c', 'attempts', 'seconds'}. Raises TransferAuthError, TransferPathError\n"
       "(also ValueError), TransferNotFoundError, TransferRefusedError, TransferChecksumError,\n"
       "TransferTimeoutError (also TimeoutError), TransferError (base, an OSError); ValueError for bad\n"
@@ -230,7 +232,7 @@ void register_transfer(py::module_& m) {
       py::arg("host"), py::arg("port"), py::arg("secret"), py::arg("fd"), py::arg("remote_path"), py::kw_only(),
       py::arg("offset") = 0, py::arg("length") = py::none(), py::arg("connect_timeout_s") = 5.0,
       py::arg("io_timeout_s") = 30.0, py::arg("retries") = 3, py::arg("backoff_s") = 0.2,
-      py::arg("zero_copy") = true, py::arg("crc32c") = py::none(),
+      py::arg("zero_copy") = false, py::arg("crc32c") = py::none(),
       "Like transfer_push, but sends bytes [offset, offset+length) of an open regular file (length None:\n"
       "to the end). The file position is not used or changed. crc32c, when given, is the CRC32C of\n"
       "exactly those bytes.");

@@ -70,8 +70,9 @@ static void pread_exactly(int file_fd, uint8_t* dst, size_t n, uint64_t offset, 
 }
 
 // Sends [offset, offset+size) chunk by chunk: each is pread into buf (page cache -> L2), tagged
-// (and CRC'd when crc is given) there, then sent with sendfile() (no copy into the socket) or
-// send() from buf, followed by its tag. The tag goes out with MSG_MORE, so it travels in the
+// (and CRC'd when crc is given) there, then sent with send() from buf (or, with zero_copy, with
+// sendfile(), which measured more CPU on both ends: the bytes were read for the tag anyway, and
+// sendfile's page-sized pieces make more, smaller segments), followed by its tag. The tag goes out with MSG_MORE, so it travels in the
 // next chunk's first segment instead of a segment of its own (the trailer, sent without it,
 // pushes the last one). SIGPIPE is blocked once for the whole object, not per sendfile call.
 static void send_chunks(Channel& ch, int file_fd, uint64_t offset, uint64_t size, bool zero_copy,
