@@ -217,11 +217,11 @@ U128 times_x(const U128& v) {
   return {(v.lo << 1) ^ (carry & 1), ((v.hi << 1) | (v.lo >> 63)) ^ (carry & 0xC200000000000000ULL)};
 }
 
-constexpr int kPowers = 16;
+constexpr int kPowers = 32;
 
 struct GhashKey {
-  // desc[16 - k] = H'_k: the powers from H'_16 down to H'_1, so block j of a 16-block step
-  // (and block j of a 4-block step, from desc[12]) meets its power at the same index.
+  // desc[32 - k] = H'_k: the powers from H'_32 down to H'_1, so block j of a 32-block step
+  // (and block j of a 16- or 4-block step, from desc[16] or desc[28]) meets its power at the same index.
   alignas(64) U128 desc[kPowers];
 };
 
@@ -332,38 +332,48 @@ FLASHPOINT_VPCLMUL_TARGET inline __m128i lane_sum(__m512i v) {
   return _mm512_castsi512_si128(v);
 }
 
-// Sixteen blocks (four 512-bit registers of four) per reduction; the rest four at a time.
+// The products of one register of four blocks with four powers, added to the accumulators.
+FLASHPOINT_VPCLMUL_TARGET inline void multiply_add_4(__m512i d, __m512i h, __m512i& lo, __m512i& mid, __m512i& hi) {
+  lo = _mm512_xor_si512(lo, _mm512_clmulepi64_epi128(d, h, 0x00));
+  hi = _mm512_xor_si512(hi, _mm512_clmulepi64_epi128(d, h, 0x11));
+  mid = xor3(mid, _mm512_clmulepi64_epi128(d, h, 0x01), _mm512_clmulepi64_epi128(d, h, 0x10));
+}
+
+FLASHPOINT_VPCLMUL_TARGET inline __m512i load_blocks_4(const uint8_t* p, __m512i reverse) {
+  return _mm512_shuffle_epi8(_mm512_loadu_si512(p), reverse);
+}
+
+// Folds the 512-bit accumulators into the next accumulator value (one Montgomery reduction).
+FLASHPOINT_VPCLMUL_TARGET inline __m128i reduce_4(__m512i lo, __m512i mid, __m512i hi) {
+  const __m512i t01 = _mm512_xor_si512(lo, _mm512_bslli_epi128(mid, 8));
+  const __m512i t23 = _mm512_xor_si512(hi, _mm512_bsrli_epi128(mid, 8));
+  return montgomery_reduce(lane_sum(t01), lane_sum(t23));
+}
+
+// 32 blocks (eight 512-bit registers of four) per reduction, then 16, then four at a time. The
+// accumulator enters only the first block's product, which is added last: the reduction's
+// latency, not the multiplier, bounds a step, so longer steps go faster.
 FLASHPOINT_VPCLMUL_TARGET void ghash_vpclmul(U128& acc, const GhashKey& k, const uint8_t* p, size_t n) {
   if (n >= 16) {
     const __m512i reverse = _mm512_set_epi64(0x0001020304050607LL, 0x08090A0B0C0D0E0FLL, 0x0001020304050607LL,
                                              0x08090A0B0C0D0E0FLL, 0x0001020304050607LL, 0x08090A0B0C0D0E0FLL,
                                              0x0001020304050607LL, 0x08090A0B0C0D0E0FLL);
-    const __m512i h0 = _mm512_load_si512(&k.desc[0]), h1 = _mm512_load_si512(&k.desc[4]);
-    const __m512i h2 = _mm512_load_si512(&k.desc[8]), h3 = _mm512_load_si512(&k.desc[12]);
+    __m512i h[8];
+    for (int i = 0; i < 8; ++i) h[i] = _mm512_load_si512(&k.desc[4 * i]);  // H'_32..29, ..., H'_4..1
     __m128i y = _mm_loadu_si128(reinterpret_cast<const __m128i*>(&acc));
-    for (; n >= 16; n -= 16, p += 256) {
-      const __m512i d0 = _mm512_xor_si512(_mm512_shuffle_epi8(_mm512_loadu_si512(p), reverse), _mm512_zextsi128_si512(y));
-      const __m512i d1 = _mm512_shuffle_epi8(_mm512_loadu_si512(p + 64), reverse);
-      const __m512i d2 = _mm512_shuffle_epi8(_mm512_loadu_si512(p + 128), reverse);
-      const __m512i d3 = _mm512_shuffle_epi8(_mm512_loadu_si512(p + 192), reverse);
-      const __m512i lo = _mm512_xor_si512(
-          xor3(_mm512_clmulepi64_epi128(d0, h0, 0x00), _mm512_clmulepi64_epi128(d1, h1, 0x00),
-               _mm512_clmulepi64_epi128(d2, h2, 0x00)),
-          _mm512_clmulepi64_epi128(d3, h3, 0x00));
-      const __m512i hi = _mm512_xor_si512(
-          xor3(_mm512_clmulepi64_epi128(d0, h0, 0x11), _mm512_clmulepi64_epi128(d1, h1, 0x11),
-               _mm512_clmulepi64_epi128(d2, h2, 0x11)),
-          _mm512_clmulepi64_epi128(d3, h3, 0x11));
-      const __m512i mid_a = xor3(_mm512_clmulepi64_epi128(d0, h0, 0x01), _mm512_clmulepi64_epi128(d0, h0, 0x10),
-                                 _mm512_clmulepi64_epi128(d1, h1, 0x01));
-      const __m512i mid_b = xor3(_mm512_clmulepi64_epi128(d1, h1, 0x10), _mm512_clmulepi64_epi128(d2, h2, 0x01),
-                                 _mm512_clmulepi64_epi128(d2, h2, 0x10));
-      const __m512i mid = xor3(mid_a, mid_b,
-                               _mm512_xor_si512(_mm512_clmulepi64_epi128(d3, h3, 0x01),
-                                                _mm512_clmulepi64_epi128(d3, h3, 0x10)));
-      const __m512i t01 = _mm512_xor_si512(lo, _mm512_bslli_epi128(mid, 8));
-      const __m512i t23 = _mm512_xor_si512(hi, _mm512_bsrli_epi128(mid, 8));
-      y = montgomery_reduce(lane_sum(t01), lane_sum(t23));
+    for (; n >= 32; n -= 32, p += 512) {
+      __m512i lo = _mm512_setzero_si512(), mid = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+      for (int i = 7; i >= 1; --i) multiply_add_4(load_blocks_4(p + 64 * i, reverse), h[i], lo, mid, hi);
+      multiply_add_4(_mm512_xor_si512(load_blocks_4(p, reverse), _mm512_zextsi128_si512(y)), h[0], lo, mid, hi);
+      y = reduce_4(lo, mid, hi);
+    }
+    if (n >= 16) {
+      __m512i lo = _mm512_setzero_si512(), mid = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+      for (int i = 3; i >= 1; --i) multiply_add_4(load_blocks_4(p + 64 * i, reverse), h[4 + i], lo, mid, hi);
+      multiply_add_4(_mm512_xor_si512(load_blocks_4(p, reverse), _mm512_zextsi128_si512(y)), h[4], lo, mid, hi);
+      y = reduce_4(lo, mid, hi);
+      n -= 16;
+      p += 256;
     }
     _mm_storeu_si128(reinterpret_cast<__m128i*>(&acc), y);
   }
