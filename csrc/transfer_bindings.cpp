@@ -141,14 +141,14 @@ void register_transfer(py::module_& m) {
         const std::string k = buffer_bytes(key), n = buffer_bytes(nonce);
         if (k.size() != kGmacKeyBytes) throw std::invalid_argument("key must be 32 bytes (AES-256)");
         if (n.size() != kGmacNonceBytes) throw std::invalid_argument("nonce must be 12 bytes");
-        std::vector<std::string> pieces;
-        for (const py::handle& part : parts) pieces.push_back(buffer_bytes(py::reinterpret_borrow<py::buffer>(part)));
+        std::vector<py::buffer_info> pieces;  // held (and the parts with them) while the GIL is released
+        for (const py::handle& part : parts) pieces.push_back(request_readable(py::reinterpret_borrow<py::buffer>(part)));
         GmacTag tag;
         {
           py::gil_scoped_release release;
           Gmac g(reinterpret_cast<const uint8_t*>(k.data()), backend);
           g.begin(reinterpret_cast<const uint8_t*>(n.data()));
-          for (const std::string& piece : pieces) g.update(piece.data(), piece.size());
+          for (const py::buffer_info& piece : pieces) g.update(piece.ptr, static_cast<size_t>(piece.size * piece.itemsize));
           tag = g.finish();
         }
         return py::bytes(reinterpret_cast<const char*>(tag.data()), tag.size());
