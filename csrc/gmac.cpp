@@ -221,7 +221,7 @@ constexpr int kPowers = 32;
 
 struct GhashKey {
   // desc[32 - k] = H'_k: the powers from H'_32 down to H'_1, so block j of a 32-block step
-  // (and block j of a 16- or 4-block step, from desc[16] or desc[28]) meets its power at the same index.
+  // (and block j of a 16- or 8-block step, from desc[16] or desc[24]) meets its power at the same index.
   alignas(64) U128 desc[kPowers];
 };
 
@@ -295,22 +295,22 @@ FLASHPOINT_PCLMUL_TARGET inline __m128i load_power(const GhashKey& k, int power)
   return _mm_load_si128(reinterpret_cast<const __m128i*>(&k.desc[kPowers - power]));
 }
 
-// Four blocks per reduction.
+// Eight blocks per reduction (the accumulator enters the first block's product, added last), then
+// one at a time.
 FLASHPOINT_PCLMUL_TARGET void ghash_pclmul(U128& acc, const GhashKey& k, const uint8_t* p, size_t n) {
   const __m128i reverse = byte_reverse_mask();
-  const __m128i h1 = load_power(k, 1), h2 = load_power(k, 2), h3 = load_power(k, 3), h4 = load_power(k, 4);
+  __m128i h[8];
+  for (int i = 0; i < 8; ++i) h[i] = load_power(k, 8 - i);  // block i of a step meets H'^(8-i)
   __m128i y = _mm_loadu_si128(reinterpret_cast<const __m128i*>(&acc));
-  for (; n >= 4; n -= 4, p += 64) {
+  for (; n >= 8; n -= 8, p += 128) {
     __m128i lo = _mm_setzero_si128(), mid = _mm_setzero_si128(), hi = _mm_setzero_si128();
-    multiply_add(_mm_xor_si128(load_block(p, reverse), y), h4, lo, mid, hi);
-    multiply_add(load_block(p + 16, reverse), h3, lo, mid, hi);
-    multiply_add(load_block(p + 32, reverse), h2, lo, mid, hi);
-    multiply_add(load_block(p + 48, reverse), h1, lo, mid, hi);
+    for (int i = 7; i >= 1; --i) multiply_add(load_block(p + 16 * i, reverse), h[i], lo, mid, hi);
+    multiply_add(_mm_xor_si128(load_block(p, reverse), y), h[0], lo, mid, hi);
     y = reduce(lo, mid, hi);
   }
   for (; n; --n, p += 16) {
     __m128i lo = _mm_setzero_si128(), mid = _mm_setzero_si128(), hi = _mm_setzero_si128();
-    multiply_add(_mm_xor_si128(load_block(p, reverse), y), h1, lo, mid, hi);
+    multiply_add(_mm_xor_si128(load_block(p, reverse), y), h[7], lo, mid, hi);
     y = reduce(lo, mid, hi);
   }
   _mm_storeu_si128(reinterpret_cast<__m128i*>(&acc), y);
@@ -350,7 +350,7 @@ FLASHPOINT_VPCLMUL_TARGET inline __m128i reduce_4(__m512i lo, __m512i mid, __m51
   return montgomery_reduce(lane_sum(t01), lane_sum(t23));
 }
 
-// 32 blocks (eight 512-bit registers of four) per reduction, then 16, then four at a time. The
+// 32 blocks (eight 512-bit registers of four) per reduction, then 16, then as ghash_pclmul. The
 // accumulator enters only the first block's product, which is added last: the reduction's
 // latency, not the multiplier, bounds a step, so longer steps go faster.
 FLASHPOINT_VPCLMUL_TARGET void ghash_vpclmul(U128& acc, const GhashKey& k, const uint8_t* p, size_t n) {

@@ -5,7 +5,7 @@
 // Backends compute the same tags: "openssl" (libcrypto's EVP AES-256-GCM, when the build found
 // OpenSSL 3), and the built-in ones, chosen by what the CPU has at run time: "avx512-vpclmul"
 // (AES-NI for the two AES blocks, 32 GHASH blocks per step with AVX-512 VPCLMULQDQ),
-// "pclmul" (AES-NI and 4 blocks per step with PCLMULQDQ) and "portable" (C++ only, constant time:
+// "pclmul" (AES-NI and 8 blocks per step with PCLMULQDQ) and "portable" (C++ only, constant time:
 // a table-free GHASH and an AES whose S-box look-ups read the whole table).
 #pragma once
 
