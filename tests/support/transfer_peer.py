@@ -195,8 +195,10 @@ def client_handshake(sock: socket.socket, secret: bytes, rank: int = 0, peer_ran
     return Session(sock, session_secret(client_key, server_key, t), nonce_c, nonce_s, is_client=True)
 
 
-def server_handshake(sock: socket.socket, secret: bytes, version: int = VERSION, rank: int = 0) -> Session:
-    """Serve as rank; the client's rank is whatever its hello names (its proof must match it)."""
+def server_handshake(sock: socket.socket, secret: bytes, version: int = VERSION, rank: int = 0, *,
+                     proof_key: bytes | None = None) -> Session:
+    """Serve as rank; the client's rank is whatever its hello names (its proof must match it).
+    proof_key: the key the server's proof is made with (default: rank's own)."""
     hello = recv_exact(sock, 48)
     if hello[:8] != MAGIC:
         raise HandshakeFailed("bad magic from client")
@@ -205,7 +207,7 @@ def server_handshake(sock: socket.socket, secret: bytes, version: int = VERSION,
     nonce_s = os.urandom(32)
     t = transcript(client_rank, rank, nonce_c, nonce_s)
     client_key, server_key = rank_key(secret, client_rank), rank_key(secret, rank)
-    server_mac = hmac.new(server_key, SERVER_LABEL + t, hashlib.sha256).digest()
+    server_mac = hmac.new(proof_key or server_key, SERVER_LABEL + t, hashlib.sha256).digest()
     sock.sendall(MAGIC + struct.pack("<II", version, rank) + nonce_s + server_mac)
     proof = recv_exact(sock, 32)
     if not hmac.compare_digest(proof, hmac.new(client_key, CLIENT_LABEL + t, hashlib.sha256).digest()):
