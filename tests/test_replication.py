@@ -130,6 +130,10 @@ def test_wiped_node_recovers_newest_version_from_peers(shm_dir, nodes, ranks_per
     bases = bases_for(shm_dir, nodes)
     outputs = run("replicate", world, bases=bases, ranks_per_node=ranks_per_node, steps=[1, 2, 3])
     assert all(s.endswith("replicated failed=[]") for s in statuses(outputs, 3)), outputs
+    # The servers replication started admit only what the placement sends: not a push over their own object.
+    foreign = [line for out in outputs for line in out.splitlines() if line.startswith("FOREIGN PUSH")]
+    assert len(foreign) == world and all("TransferForbiddenError" in f and "lives on this node" in f
+                                         for f in foreign), foreign
     for node, base in enumerate(bases):  # node i holds its own objects and node i-1's replicas
         names = set(os.listdir(Path(base) / "step-3"))
         for source in (node, (node - 1) % nodes):
