@@ -275,6 +275,15 @@ def test_policy_arguments_are_checked():
             _core.TransferPolicy(**{**good, **bad})
     with pytest.raises(ValueError, match="not below the policy's world_size"):
         _core.TransferServer("/dev/shm", SECRET, rank=4, policy=_core.TransferPolicy(**good))
+    for bad in ({"min_rate_bytes_per_s": -1}, {"min_rate_bytes_per_s": float("inf")}, {"rate_grace_s": -1},
+                {"space_margin_bytes": -1}):
+        with pytest.raises(ValueError):
+            _core.TransferServer("/dev/shm", SECRET, **bad)
+        if "space_margin_bytes" not in bad:
+            with pytest.raises(ValueError):
+                _core.transfer_fetch(HOST, 1234, SECRET, "step-1/COMMIT", "/dev/shm", **bad)
+    with pytest.raises(TypeError):  # a rank is an unsigned 32-bit number
+        _core.transfer_fetch(HOST, 1234, SECRET, "step-1/COMMIT", "/dev/shm", rank=-1)
 
 
 # --- bounds -------------------------------------------------------------------------------------
