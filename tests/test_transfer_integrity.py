@@ -343,25 +343,27 @@ def test_a_trailer_cut_off_by_a_closed_connection_stores_nothing(dirs, server):
     assert_nothing_landed(server_base)
 
 
-def test_v1_peers_are_refused_with_a_clear_message(dirs, server):
-    with peer.connect(HOST, server.port) as s:  # a v1 client
-        s.sendall(peer.MAGIC + struct.pack("<II", 1, 0) + os.urandom(32))
+@pytest.mark.parametrize("old", [1, 2])
+def test_older_peers_are_refused_with_a_clear_message(dirs, server, old):
+    """v1 (nothing authenticated after the handshake) and v2 (no rank identities) both ways."""
+    with peer.connect(HOST, server.port) as s:  # an older client
+        s.sendall(peer.MAGIC + struct.pack("<II", old, 0) + os.urandom(32))
         hello = peer.recv_exact(s, 80)
-        assert struct.unpack("<I", hello[8:12])[0] == 2  # it learns what we speak
-    wait_for_error(server, "unsupported protocol version 1 from the client")
-    listener = socket.create_server((HOST, 0))  # a v1 server
+        assert struct.unpack("<I", hello[8:12])[0] == peer.VERSION  # it learns what we speak
+    wait_for_error(server, f"unsupported protocol version {old} from the client")
+    listener = socket.create_server((HOST, 0))  # an older server
 
-    def v1_server():
+    def old_server():
         conn, _ = listener.accept()
         with conn:
             try:
-                peer.server_handshake(conn, SECRET, version=1)
+                peer.server_handshake(conn, SECRET, version=old)
             except (OSError, peer.HandshakeFailed):
                 pass
-    t = threading.Thread(target=v1_server, daemon=True)
+    t = threading.Thread(target=old_server, daemon=True)
     t.start()
     try:
-        with pytest.raises(_core.TransferError, match="unsupported protocol version 1 from the server.*same "
+        with pytest.raises(_core.TransferError, match=f"unsupported protocol version {old} from the server.*same "
                                                       "ml_flashpoint_nemo version"):
             _core.transfer_fetch(HOST, listener.getsockname()[1], SECRET, OBJ, dirs[1], retries=0, io_timeout_s=5)
     finally:
