@@ -16,6 +16,8 @@ class TransferChecksumError(TransferError): ...
 class TransferIntegrityError(TransferError): ...
 class TransferRefusedError(TransferError): ...
 class TransferNotFoundError(TransferRefusedError): ...
+class TransferForbiddenError(TransferRefusedError, PermissionError): ...
+class TransferNoSpaceError(TransferRefusedError): ...
 class TransferPathError(TransferRefusedError, ValueError): ...
 class TransferTimeoutError(TransferError, TimeoutError): ...
 
@@ -42,6 +44,22 @@ class ShmBuffer:
     @property
     def writable(self) -> bool: ...
 
+class TransferPolicy:
+    """What each authenticated rank may push to and fetch from a TransferServer."""
+
+    def __init__(
+        self,
+        *,
+        world_size: int,
+        own_ranks: list[int],
+        pushers: dict[int, list[int]],
+        version_dir_pattern: str,
+        object_name_pattern: str,
+        version_files: list[str],
+    ) -> None: ...
+    @property
+    def world_size(self) -> int: ...
+
 class TransferServer:
     """Serves pushes into and fetches from one base directory to peers that know the secret."""
 
@@ -56,8 +74,15 @@ class TransferServer:
         max_object_bytes: int = ...,
         max_pending: int = ...,
         spare_dir: str | None = ...,
+        *,
+        rank: int = ...,
+        policy: TransferPolicy | None = ...,
+        min_rate_bytes_per_s: float = ...,
+        rate_grace_s: float | None = ...,
+        space_margin_bytes: int | None = ...,
     ) -> None: ...
     def errors(self) -> list[str]: ...
+    def expect_sizes(self, step: int, sizes: dict[str, int]) -> None: ...
     def stats(self) -> dict[str, int]: ...
     def stop(self) -> None: ...
     def __enter__(self) -> TransferServer: ...
@@ -104,6 +129,10 @@ def transfer_fetch(
     backoff_s: float = ...,
     max_object_bytes: int = ...,
     spare_dir: str | None = ...,
+    rank: int = ...,
+    peer_rank: int = ...,
+    min_rate_bytes_per_s: float = ...,
+    rate_grace_s: float | None = ...,
 ) -> dict[str, Any]: ...
 def transfer_push(
     host: str,
@@ -118,6 +147,10 @@ def transfer_push(
     backoff_s: float = ...,
     zero_copy: bool = ...,
     crc32c: int | None = ...,
+    rank: int = ...,
+    peer_rank: int = ...,
+    min_rate_bytes_per_s: float = ...,
+    rate_grace_s: float | None = ...,
 ) -> dict[str, Any]: ...
 def transfer_push_fd(
     host: str,
@@ -133,4 +166,8 @@ def transfer_push_fd(
     backoff_s: float = ...,
     zero_copy: bool = ...,
     crc32c: int | None = ...,
+    rank: int = ...,
+    peer_rank: int = ...,
+    min_rate_bytes_per_s: float = ...,
+    rate_grace_s: float | None = ...,
 ) -> dict[str, Any]: ...

@@ -346,6 +346,8 @@ def test_a_trailer_cut_off_by_a_closed_connection_stores_nothing(dirs, server):
 
 @pytest.mark.parametrize("old", [1, 2], ids=["v1-unauthenticated", "v2-hmac-sha256-tags"])
 def test_older_peers_are_refused_with_a_clear_message(dirs, server, old):
+    """v1 (nothing authenticated after the handshake) and v2 (HMAC-SHA256 tags, no rank
+    identities) both ways."""
     with peer.connect(HOST, server.port) as s:  # an older client
         s.sendall(peer.MAGIC + struct.pack("<II", old, 0) + os.urandom(32))
         hello = peer.recv_exact(s, 80)

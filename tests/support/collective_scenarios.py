@@ -38,7 +38,7 @@ def keep_after_a_local_failure(p: dict[str, Any]) -> None:
             with peer.connect(host, port, timeout=5) as sock:
                 session = peer.client_handshake(sock, service._endpoints.secret)
                 session.send_request(peer.OP_FETCH, b"step-1/\xff\nforged", 0)
-                assert session.recv_response()[0] == peer.NOT_FOUND
+                assert session.recv_response()[0] == peer.FORBIDDEN  # not a name of the layout
         if dist.get_rank() == 1 and p["failure"] == "listing":
             def broken(layout: Any) -> list[int]:
                 raise PermissionError(13, "Permission denied", os.fspath(layout.base_dir))
