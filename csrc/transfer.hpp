@@ -111,7 +111,7 @@ struct TransferOptions {
   double io_timeout_s = 30.0;       // the handshake as a whole, then every wait for progress
   int retries = 3;                  // extra attempts after the first, for retryable failures
   double backoff_s = 0.2;           // sleep before retry i is backoff_s * 2**i
-  bool zero_copy = true;            // sendfile() from the source file (else pread + send)
+  bool zero_copy = false;           // sendfile() from the source file (else send from the buffer read for the tag)
   uint64_t max_object_bytes = kTransferDefaultMaxObjectBytes;  // fetch refuses bigger objects
   // Push: the CRC32C of the bytes being sent is known (from the object's index), so the sender
   // only sendfile()s them and sends this CRC; the receiver still checks the bytes against it.

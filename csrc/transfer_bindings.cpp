@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "bindings_common.hpp"
+#include "gmac.hpp"
 #include "sha256.hpp"
 #include "transfer.hpp"
 #include "transfer_mac.hpp"
@@ -154,7 +155,34 @@ void register_transfer(py::module_& m) {
   py::register_exception_translator(translate_transfer_error);
 
   m.def("transfer_mac_backend", [] { return std::string(xfer::mac_backend()); },
-        "Which HMAC-SHA256 the transfer protocol uses: 'openssl' (libcrypto, fast) or 'builtin' (same tags, slower).");
+        "Which AES-256-GMAC implementation new transfer sessions use: 'openssl' (libcrypto), 'avx512-vpclmul', "
+        "'pclmul' or 'portable' (built in). All compute the same tags.");
+  m.def("set_transfer_mac_backend", &xfer::set_mac_backend, py::arg("name"),
+        "Makes new transfer sessions of this process use the named AES-256-GMAC backend (one of gmac_backends(); "
+        "ValueError otherwise). For tests and measurements: every backend computes the same tags.");
+  m.def("gmac_backends", &gmac_backends,
+        "The AES-256-GMAC implementations this build and CPU can run, the default first.");
+  m.def(
+      "gmac",
+      [](const py::buffer& key, const py::buffer& nonce, const py::list& parts, const std::string& backend) {
+        const std::string k = buffer_bytes(key), n = buffer_bytes(nonce);
+        if (k.size() != kGmacKeyBytes) throw std::invalid_argument("key must be 32 bytes (AES-256)");
+        if (n.size() != kGmacNonceBytes) throw std::invalid_argument("nonce must be 12 bytes");
+        std::vector<py::buffer_info> pieces;  // held (and the parts with them) while the GIL is released
+        for (const py::handle& part : parts) pieces.push_back(request_readable(py::reinterpret_borrow<py::buffer>(part)));
+        GmacTag tag;
+        {
+          py::gil_scoped_release release;
+          Gmac g(reinterpret_cast<const uint8_t*>(k.data()), backend);
+          g.begin(reinterpret_cast<const uint8_t*>(n.data()));
+          for (const py::buffer_info& piece : pieces) g.update(piece.ptr, static_cast<size_t>(piece.size * piece.itemsize));
+          tag = g.finish();
+        }
+        return py::bytes(reinterpret_cast<const char*>(tag.data()), tag.size());
+      },
+      py::arg("key"), py::arg("nonce"), py::arg("parts"), py::arg("backend") = "",
+      "AES-256-GMAC tag (16 bytes) of the concatenated parts (fed to the backend one part at a time) under "
+      "key (32 bytes) and nonce (12 bytes), with the named backend ('' = the default; ValueError if unavailable).");
   m.def(
       "sha256", [](const py::buffer& data) {
         py::buffer_info info = request_readable(data);
@@ -198,17 +226,19 @@ void register_transfer(py::module_& m) {
       py::arg("host"), py::arg("port"), py::arg("secret"), py::arg("local_base_dir"), py::arg("path"),
       py::arg("remote_path") = py::none(), py::kw_only(), py::arg("connect_timeout_s") = 5.0,
       py::arg("io_timeout_s") = 30.0, py::arg("retries") = 3, py::arg("backoff_s") = 0.2,
-      py::arg("zero_copy") = true, py::arg("crc32c") = py::none(), py::arg("rank") = 0, py::arg("peer_rank") = 0,
+      py::arg("zero_copy") = false, py::arg("crc32c") = py::none(), py::arg("rank") = 0, py::arg("peer_rank") = 0,
       py::arg("min_rate_bytes_per_s") = kTransferDefaultMinRate, py::arg("rate_grace_s") = py::none(),
       "Push local_base_dir/path to a TransferServer as remote_path (default: path).\n\n"
       "Both paths are relative and confined (no absolute path, '..', empty component, NUL, symlink).\n"
       "The server stores the object atomically (hidden temp file, CRC32C + length check, fsync, rename).\n"
       "Connect failures, timeouts, lost connections and checksum mismatches are retried `retries` times,\n"
       "sleeping backoff_s * 2**i before retry i; authentication failures and refusals are not.\n"
-      "zero_copy=True sends with sendfile() (each chunk is pread and CRC'd first), else with send().\n"
+      "Each 256 KiB chunk is pread and tagged (AES-256-GMAC), then sent from that buffer with send();\n"
+      "zero_copy=True sends it with sendfile() instead, which costs more CPU here: the bytes were read for\n"
+      "the tag anyway, and sendfile's page-sized pieces make more, smaller segments for both ends.\n"
       "crc32c: the CRC32C of the bytes being sent when the caller knows it (e.g. from the object's\n"
-      "index): the data is then only sendfile()d, never read here; the receiver still checks the bytes\n"
-      "against it and refuses them (TransferChecksumError, nothing stored) when they differ.\n"
+      "index): it is then not computed here; the receiver still checks the bytes against it and\n"
+      "refuses them (TransferChecksumError, nothing stored) when they differ.\n"
       "rank: the rank this side proves in the handshake; peer_rank: the rank the server must prove (else\n"
       "TransferAuthError). Once the data flows the transfer must average min_rate_bytes_per_s after its first\n"
       "rate_grace_s seconds (None: io_timeout_s), else TransferTimeoutError; 0 turns the floor off.\n"
@@ -238,7 +268,7 @@ void register_transfer(py::module_& m) {
       py::arg("host"), py::arg("port"), py::arg("secret"), py::arg("fd"), py::arg("remote_path"), py::kw_only(),
       py::arg("offset") = 0, py::arg("length") = py::none(), py::arg("connect_timeout_s") = 5.0,
       py::arg("io_timeout_s") = 30.0, py::arg("retries") = 3, py::arg("backoff_s") = 0.2,
-      py::arg("zero_copy") = true, py::arg("crc32c") = py::none(), py::arg("rank") = 0, py::arg("peer_rank") = 0,
+      py::arg("zero_copy") = false, py::arg("crc32c") = py::none(), py::arg("rank") = 0, py::arg("peer_rank") = 0,
       py::arg("min_rate_bytes_per_s") = kTransferDefaultMinRate, py::arg("rate_grace_s") = py::none(),
       "Like transfer_push, but sends bytes [offset, offset+length) of an open regular file (length None:\n"
       "to the end). The file position is not used or changed. crc32c, when given, is the CRC32C of\n"

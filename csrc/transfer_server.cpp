@@ -466,7 +466,7 @@ void TransferServer::handle_fetch(const Connection& c, const std::string& path) 
     send_response(ch, kOk, file_size, "sending");
     ch.clear_deadline();
     start_rate_floor(ch);
-    const uint32_t crc = send_object(ch, file.get(), 0, file_size, true, buf);
+    const uint32_t crc = send_object(ch, file.get(), 0, file_size, /*zero_copy=*/false, buf);
     send_trailer(ch, file_size, crc);
     bytes_sent_.fetch_add(file_size);
     const Response ack = recv_response(ch);  // TransferIntegrityError when forged

@@ -201,9 +201,9 @@ void client_handshake(Channel& ch, const std::string& secret, uint32_t client_ra
   ch.start_session(start_session(client_key, server_key, t, nonce_c, nonce_s, /*is_client=*/true));
 }
 
-void send_tag(Channel& ch, KeyedMac& mac, const char* what) {
-  const Digest256 tag = mac.finish();
-  ch.send_all(tag.data(), kTagBytes, what);
+void send_tag(Channel& ch, KeyedMac& mac, const char* what, int flags) {
+  const GmacTag tag = mac.finish();
+  ch.send_all(tag.data(), kTagBytes, what, flags);
 }
 
 void recv_tag(Channel& ch, KeyedMac& mac, const char* what) {
@@ -217,7 +217,7 @@ namespace {
 void send_authenticated(Channel& ch, FrameKind kind, std::vector<uint8_t>& body, const char* what) {
   KeyedMac& mac = ch.session().start_send(kind);
   mac.update(body.data(), body.size());
-  const Digest256 tag = mac.finish();
+  const GmacTag tag = mac.finish();
   body.insert(body.end(), tag.begin(), tag.end());
   ch.send_all(body.data(), body.size(), what);
 }

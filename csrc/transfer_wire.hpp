@@ -18,6 +18,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -39,7 +40,7 @@ namespace xfer {
 using Clock = std::chrono::steady_clock;
 
 constexpr char kMagic[8] = {'M', 'L', 'F', 'P', 'X', 'F', 'R', '\0'};
-constexpr uint32_t kProtocolVersion = 3;  // 2: everything after the handshake is authenticated; 3: per-rank keys
+constexpr uint32_t kProtocolVersion = 3;  // 2: everything after the handshake authenticated; 3: per-rank keys, GMAC tags
 constexpr size_t kNonceBytes = 32;
 constexpr size_t kMacBytes = 32;
 constexpr size_t kClientHelloBytes = 8 + 4 + 4 + kNonceBytes;
@@ -223,11 +224,38 @@ class Channel {
     }
   }
 
-  void send_all(const void* buf, size_t n, const char* what) {
+  // Receives 1..na + nb bytes with one call: first into a, then (only once a is full) into b.
+  // Returns the bytes that went into a; *b_got says how many went into b. The receiver of an
+  // object reads the end of a chunk and its tag this way.
+  size_t recv_some_then(void* a, size_t na, void* b, size_t nb, size_t* b_got, const char* what) {
+    struct iovec iov[2] = {{a, na}, {b, nb}};
+    struct msghdr msg;
+    std::memset(&msg, 0, sizeof(msg));
+    msg.msg_iov = iov;
+    msg.msg_iovlen = 2;
+    for (;;) {
+      const ssize_t r = ::recvmsg(fd_, &msg, 0);
+      if (r > 0) {
+        moved_ += static_cast<uint64_t>(r);
+        const size_t got = static_cast<size_t>(r);
+        *b_got = got > na ? got - na : 0;
+        return got - *b_got;
+      }
+      if (r == 0) throw TransferError(std::string("connection closed by the peer during ") + what);
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        wait(POLLIN, what);
+      } else if (errno != EINTR) {
+        throw TransferError(std::string("receiving ") + what + " failed: " + errno_text(errno));
+      }
+    }
+  }
+
+  // flags are added to MSG_NOSIGNAL (MSG_MORE: more follows at once, do not push a short segment).
+  void send_all(const void* buf, size_t n, const char* what, int flags = 0) {
     const uint8_t* p = static_cast<const uint8_t*>(buf);
     size_t sent = 0;
     while (sent < n) {
-      const ssize_t r = ::send(fd_, p + sent, n - sent, MSG_NOSIGNAL);
+      const ssize_t r = ::send(fd_, p + sent, n - sent, MSG_NOSIGNAL | flags);
       if (r >= 0) {
         sent += static_cast<size_t>(r);
         moved_ += static_cast<uint64_t>(r);
@@ -240,9 +268,9 @@ class Channel {
   }
 
   // sendfile() of [offset, offset+n); returns false (nothing sent) when the kernel cannot
-  // sendfile from this file, so the caller falls back to send().
-  bool sendfile_all(int file_fd, uint64_t offset, uint64_t n) {
-    SigpipeGuard guard;
+  // sendfile from this file, so the caller falls back to send(). sendfile has no MSG_NOSIGNAL:
+  // the caller blocks SIGPIPE around all its sendfile calls with one SigpipeGuard.
+  bool sendfile_all(int file_fd, uint64_t offset, uint64_t n, const SigpipeGuard& /*sigpipe_blocked*/) {
     off_t off = static_cast<off_t>(offset);
     uint64_t sent = 0;
     while (sent < n) {
@@ -355,7 +383,8 @@ Response recv_response(Channel& ch);
 void send_trailer(Channel& ch, uint64_t nbytes, uint32_t crc);
 // Receives a message's tag and checks it (TransferIntegrityError naming what).
 void recv_tag(Channel& ch, KeyedMac& mac, const char* what);
-void send_tag(Channel& ch, KeyedMac& mac, const char* what);
+// Sends the message's tag; flags as for Channel::send_all (MSG_MORE after a data chunk).
+void send_tag(Channel& ch, KeyedMac& mac, const char* what, int flags = 0);
 // Checks the trailer that follows the data against the length and CRC32C received.
 void check_trailer(Channel& ch, uint64_t size, uint32_t crc);
 

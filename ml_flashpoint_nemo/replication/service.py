@@ -57,8 +57,8 @@ logger = logging.getLogger(__name__)
 
 @functools.lru_cache(maxsize=None)
 def _log_mac_backend_once() -> None:
-    """Says once (DEBUG) which HMAC authenticates replication traffic: 'builtin' is slower."""
-    logger.debug("Replication messages are authenticated with HMAC-SHA256 (%s backend)",
+    """Says once (DEBUG) which AES-256-GMAC implementation tags replication traffic ('portable' is slow)."""
+    logger.debug("Replication messages are authenticated with AES-256-GMAC (%s backend)",
                  _core.transfer_mac_backend())
 
 HOST_ENV = "FLASHPOINT_REPLICATION_HOST"

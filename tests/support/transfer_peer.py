@@ -2,7 +2,8 @@
 
 Tests use it to play peers the C++ code must not trust: one that corrupts a byte but sends the
 CRC32C of the original data, one that sends half an object and stalls or dies, one that sends
-hostile request fields. It only uses the standard library, so a subprocess running it starts fast.
+hostile request fields. It only uses the standard library and its own pure-Python AES-256-GMAC
+(tests/support/aes_gmac.py), so a subprocess running it starts fast.
 
 Run as a script, it is the "peer killed mid-transfer" helper:
 
@@ -21,6 +22,9 @@ import socket
 import struct
 import sys
 import time
+from collections.abc import Iterator
+
+from tests.support.aes_gmac import Gmac
 
 MAGIC = b"MLFPXFR\0"
 VERSION = 3
@@ -28,14 +32,15 @@ RANK_KEY_LABEL = b"mlfp-xfer-v3 rank"
 SERVER_LABEL = b"mlfp-xfer-v3 server"
 CLIENT_LABEL = b"mlfp-xfer-v3 client"
 SESSION_LABEL = b"mlfp-xfer-v3 session"
-KEY_CLIENT_TO_SERVER = b"mlfp-xfer-v2 key client->server"
-KEY_SERVER_TO_CLIENT = b"mlfp-xfer-v2 key server->client"
+KEY_CLIENT_TO_SERVER = b"mlfp-xfer-v3 key client->server"
+KEY_SERVER_TO_CLIENT = b"mlfp-xfer-v3 key server->client"
 OP_PUSH, OP_FETCH = 1, 2
 OK, BAD_REQUEST, PATH_REFUSED, TOO_LARGE, NOT_FOUND, CHECKSUM, IO_ERROR, INTEGRITY, FORBIDDEN, NO_SPACE = range(10)
 FRAME_REQUEST, FRAME_RESPONSE, FRAME_DATA, FRAME_TRAILER = 1, 2, 3, 4
+CLIENT_TO_SERVER, SERVER_TO_CLIENT = 1, 2  # the first byte of a tag's nonce
 TRAILER_MAGIC = 0x21444E45
 CHUNK = 256 << 10
-TAG = 32
+TAG = 16  # AES-256-GMAC
 
 
 class HandshakeFailed(Exception):
@@ -76,7 +81,7 @@ def transcript(client_rank: int, server_rank: int, nonce_c: bytes, nonce_s: byte
 
 
 def session_secret(client_key: bytes, server_key: bytes, transcript_bytes: bytes) -> bytes:
-    """Keyed by both ranks' keys; the direction keys derive from it as in version 2."""
+    """Keyed by both ranks' keys; the direction keys derive from it (Session)."""
     return hmac.new(client_key + server_key, SESSION_LABEL + transcript_bytes, hashlib.sha256).digest()
 
 
@@ -86,15 +91,41 @@ def connect(host: str, port: int, timeout: float = 10.0) -> socket.socket:
     return sock
 
 
+def nonce(direction: int, kind: int, seq: int) -> bytes:
+    """A message's GMAC nonce: u8 direction, u8 kind, u16 zero, u64 sequence number (little-endian)."""
+    return struct.pack("<BBHQ", direction, kind, 0, seq)
+
+
+class _Tagger:
+    """One direction's GMAC key; remembers the GHASH of the last few distinct messages, since tests
+    send repeated blocks (push-half, objects made of one MiB repeated) and pure-Python GHASH takes
+    ~0.1 s per chunk."""
+
+    _REMEMBERED = 8
+
+    def __init__(self, key: bytes, direction: int):
+        self.gmac = Gmac(key)
+        self.direction = direction
+        self._ghash: dict[bytes, int] = {}
+
+    def tag(self, seq: int, kind: int, body: bytes) -> bytes:
+        ghash = self._ghash.get(body)
+        if ghash is None:
+            if len(self._ghash) >= self._REMEMBERED:
+                self._ghash.pop(next(iter(self._ghash)))
+            ghash = self._ghash[body] = self.gmac.ghash_of(body)
+        return self.gmac.tag(nonce(self.direction, kind, seq), body, ghash)
+
+
 class Session:
-    """An authenticated connection after the handshake: every message carries a tag over its
-    direction's sequence number, its kind and its bytes (docs/protocol.md)."""
+    """An authenticated connection after the handshake: every message carries an AES-256-GMAC tag
+    whose nonce holds its direction, its kind and its direction's sequence number (docs/protocol.md)."""
 
     def __init__(self, sock: socket.socket, secret: bytes, nonce_c: bytes, nonce_s: bytes, is_client: bool):
         self.sock = sock
-        c2s = mac(secret, KEY_CLIENT_TO_SERVER, nonce_c, nonce_s)
-        s2c = mac(secret, KEY_SERVER_TO_CLIENT, nonce_c, nonce_s)
-        self.send_key, self.recv_key = (c2s, s2c) if is_client else (s2c, c2s)
+        c2s = _Tagger(mac(secret, KEY_CLIENT_TO_SERVER, nonce_c, nonce_s), CLIENT_TO_SERVER)
+        s2c = _Tagger(mac(secret, KEY_SERVER_TO_CLIENT, nonce_c, nonce_s), SERVER_TO_CLIENT)
+        self._send, self._recv = (c2s, s2c) if is_client else (s2c, c2s)
         self.send_seq = self.recv_seq = 0
 
     # socket-like, so tests can treat a Session as the connection
@@ -116,17 +147,14 @@ class Session:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _tag(self, key: bytes, seq: int, kind: int, body: bytes) -> bytes:
-        return hmac.new(key, struct.pack("<QB", seq, kind) + body, hashlib.sha256).digest()
-
     def frame(self, kind: int, body: bytes) -> bytes:
         """body + its tag, consuming one send sequence number."""
-        tag = self._tag(self.send_key, self.send_seq, kind, body)
+        tag = self._send.tag(self.send_seq, kind, body)
         self.send_seq += 1
         return body + tag
 
     def check(self, kind: int, body: bytes, tag: bytes) -> None:
-        expected = self._tag(self.recv_key, self.recv_seq, kind, body)
+        expected = self._recv.tag(self.recv_seq, kind, body)
         self.recv_seq += 1
         if not hmac.compare_digest(expected, tag):
             raise TagMismatch(f"tag of a kind-{kind} message does not match")
@@ -153,8 +181,26 @@ class Session:
         return op, path, size
 
     def data(self, data: bytes) -> bytes:
-        """The object's chunks, each followed by its tag."""
-        return b"".join(self.frame(FRAME_DATA, data[i:i + CHUNK]) for i in range(0, len(data), CHUNK))
+        """The object's chunks, each followed by its tag (all tagged before any is sent: for small
+        objects; larger ones go through send_data or data_frames)."""
+        return b"".join(self.data_frames(data))
+
+    def data_frames(self, data: bytes) -> Iterator[bytes]:
+        """The object's chunks, each followed by its tag, tagged one at a time (pure-Python GMAC
+        takes ~0.1 s per chunk: a peer that tagged everything first would let the receiver's
+        io_timeout_s expire before its first byte)."""
+        for i in range(0, len(data), CHUNK):
+            yield self.frame(FRAME_DATA, data[i:i + CHUNK])
+
+    def send_data(self, data: bytes, limit: int | None = None) -> None:
+        """Sends the tagged chunks as they are tagged; with limit, only their first limit bytes."""
+        for frame in self.data_frames(data):
+            if limit is not None:
+                if limit <= 0:
+                    return
+                frame = frame[:limit]
+                limit -= len(frame)
+            self.sock.sendall(frame)
 
     def recv_data(self, size: int) -> bytes:
         out = bytearray()
@@ -243,7 +289,8 @@ def push(host: str, port: int, secret: bytes, path: str | bytes, data: bytes, *,
         wire = bytearray(data)
         if corrupt_at is not None:
             wire[corrupt_at] ^= 0x40
-        sock.sendall(s.data(bytes(wire)) + s.trailer(len(data), crc32c(data)))
+        s.send_data(bytes(wire))
+        sock.sendall(s.trailer(len(data), crc32c(data)))
         return s.recv_response()
 
 
@@ -262,12 +309,13 @@ def serve_one_fetch(listener: socket.socket, secret: bytes, data: bytes, *, corr
             if corrupt_at is not None:
                 wire[corrupt_at] ^= 0x01
             if stall_after is not None:
-                conn.sendall(s.data(bytes(wire))[:stall_after])
+                s.send_data(bytes(wire), limit=stall_after)
                 conn.recv(1)  # returns once the client closes
                 if results is not None:
                     results.append("client closed")
                 return
-            conn.sendall(s.data(bytes(wire)) + s.trailer(len(data), crc32c(data)))
+            s.send_data(bytes(wire))
+            conn.sendall(s.trailer(len(data), crc32c(data)))
             if results is not None:
                 results.append(s.recv_response())
         except (OSError, HandshakeFailed, TagMismatch) as e:
