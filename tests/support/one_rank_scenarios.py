@@ -87,9 +87,10 @@ def secret_broadcast_when_rank_0_cannot_draw(root: Path) -> str:
 
 def address_exchange_when_one_server_cannot_start(root: Path) -> str:
     """Rank 1's transfer server cannot start: every rank gets the addresses, rank 1's as None."""
+    topology = discover_nodes(node_base(root))
     with environment(**{SECRET_ENV: SECRET}), \
             failing_on(1, _core, "TransferServer", OSError(errno.EADDRINUSE, "Address already in use")):
-        endpoints = peer_endpoints(node_base(root), CONFIG)
+        endpoints = peer_endpoints(node_base(root), CONFIG, topology=topology)
     endpoints.close()
     return f"UNREACHABLE {[a is None for a in endpoints.addresses]}"
 
