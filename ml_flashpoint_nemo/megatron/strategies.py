@@ -73,6 +73,7 @@ from ml_flashpoint_nemo.core.topology import (
     highest_of_every_rank,
     node_identity,
     problems_of_every_rank,
+    raise_if_any_rank_failed,
 )
 from ml_flashpoint_nemo.core.tuning import default_copy_threads
 from ml_flashpoint_nemo.core.version_files import (
@@ -229,10 +230,10 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         """Background-write outcomes (a Manager queue); at the first save, all ranks agree the Manager runs."""
         if self._reports is not None:
             return self._reports
-        if self.manager_future is None:
-            self.manager_future = start_manager_warmup()
         error, queue = None, None
-        try:
+        try:  # starting it can fail on this rank alone too (its FLASHPOINT_MANAGER_TIMEOUT_S, no thread left)
+            if self.manager_future is None:
+                self.manager_future = start_manager_warmup()
             queue = wait_for_manager(self.manager_future, what="the first flashpoint save").Queue()
         except Exception as exc:  # noqa: BLE001 - shared with every rank below
             error = f"rank {dist.get_rank()}: {exc}"
@@ -431,13 +432,8 @@ class FlashpointLoadStrategy(TorchDistLoadShardedStrategy):
     """Loads RAM versions saved by FlashpointSaveStrategy through Megatron's usual load flow."""
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path) -> StateDict:
-        reader = self._reader(checkpoint_dir)
-        # Megatron loaded common.pt before calling this strategy: fail the load if it was not the saved one.
-        check_version_files(reader.layout, read_commit(reader.layout, reader.step))
-        metadata = reader.read_metadata()
-        sharded_state_dict, restore_data = apply_nd_flattened_tensors_reformulation(
-            sharded_state_dict, _reformulation_metadata(sharded_state_dict, metadata)
-        )
+        reader, metadata, reformulation = self._checked_on_every_rank(sharded_state_dict, checkpoint_dir)
+        sharded_state_dict, restore_data = apply_nd_flattened_tensors_reformulation(sharded_state_dict, reformulation)
         shape_checked = [t for t in nested_values(sharded_state_dict)
                          if isinstance(t, ShardedTensor) and not t.allow_shape_mismatch]
         shape_flexible = {t.key: t for t in nested_values(sharded_state_dict)
@@ -456,6 +452,26 @@ class FlashpointLoadStrategy(TorchDistLoadShardedStrategy):
         state = _replace_sharded_keys_with_state_dict_keys(state, flat_mapping, rename_mapping)
         _restore_dict_types(state, original)
         return restore_nd_flattened_tensors_formulation(state, restore_data)
+
+    def _checked_on_every_rank(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path
+    ) -> tuple[MemoryStorageReader, Metadata, dict[str, TensorReformulationMetadata]]:
+        """Collective: this rank's reader, the version's metadata and reformulation, checked before DCP's collectives.
+
+        Each node reads its own copy of the version files, so a damaged copy fails on its ranks
+        alone: every rank raises that error, none waits for the others in DCP's planning.
+        """
+        error: Exception | None = None
+        try:
+            reader = self._reader(checkpoint_dir)
+            # Megatron loaded common.pt before calling this strategy: fail the load if it was not the saved one.
+            check_version_files(reader.layout, read_commit(reader.layout, reader.step))
+            metadata = reader.read_metadata()
+            reformulation = _reformulation_metadata(sharded_state_dict, metadata)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank below
+            error = exc
+        raise_if_any_rank_failed(error, f"the RAM checkpoint {os.fspath(checkpoint_dir)} cannot be loaded")
+        return reader, metadata, reformulation
 
     def load_tensors_metadata(self, checkpoint_dir: str | Path, metadata: Metadata | None = None):
         return super().load_tensors_metadata(checkpoint_dir, metadata or self._reader(checkpoint_dir).read_metadata())

@@ -27,7 +27,7 @@ from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.loader import verify_object_file, verify_version
 from ml_flashpoint_nemo.core.topology import NodeTopology, discover_nodes, problems_of_every_rank
 from ml_flashpoint_nemo.core.versions import committed_steps, read_commit
-from ml_flashpoint_nemo.errors import CorruptCheckpointError, FlashpointError
+from ml_flashpoint_nemo.errors import CorruptCheckpointError
 from ml_flashpoint_nemo.replication.recovery import fetch_missing_from_peers
 
 logger = logging.getLogger(__name__)
@@ -83,11 +83,11 @@ def _drop_corrupt_objects_on_every_rank(layout: CheckpointLayout, step: int, top
     one the version stays unusable, as it already was with the corrupt copy.
     """
     dropped, rank = [], topology.rank
-    try:
+    try:  # nothing here may raise on this rank alone: the others wait in the gather below
         commit = read_commit(layout, step)
         mine = _ranks_to_verify(commit.world_size, topology)
         records = [r for r in commit.objects if r.rank in mine]
-    except (FlashpointError, OSError):
+    except Exception:  # noqa: BLE001 - reported by _local_problem; nothing to drop here
         records = []
     for record in records:
         path = layout.object_path(step, record.name)
@@ -101,8 +101,8 @@ def _drop_corrupt_objects_on_every_rank(layout: CheckpointLayout, step: int, top
                 dropped.append(record.name)
             except OSError as unlink_error:  # kept; every rank must still reach the collective below
                 logger.warning("cannot drop %s: %s", path, unlink_error)
-        except (FlashpointError, OSError):
-            continue  # absent or unreadable: reported by _local_problem, left as it is
+        except Exception:  # noqa: BLE001 - absent, unreadable or odd: reported by _local_problem, left as it is
+            continue
     return bool(problems_of_every_rank(", ".join(dropped) or None))
 
 

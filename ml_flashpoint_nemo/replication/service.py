@@ -232,10 +232,18 @@ class ReplicationService:
         self._closing = False
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._no_pushes: str | None = None  # why this rank pushes nothing (its versions count as under-replicated)
         if self.enabled:
             self._thread = threading.Thread(target=self._run, name=f"flashpoint-replication-{self.rank}", daemon=True)
-            self._thread.start()
-            _RUNNING.add(self)
+            try:  # never raises on this rank alone: every rank gathers in keep_for_next_save next
+                self._thread.start()
+            except RuntimeError as exc:  # "can't start new thread": out of threads or memory on this node
+                self._thread = None
+                self._no_pushes = f"rank {self.rank}'s replication thread did not start ({exc})"
+                logger.error("%s; its RAM checkpoints stay under-replicated and the previous version is kept",
+                             self._no_pushes)
+            else:
+                _RUNNING.add(self)
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -301,6 +309,9 @@ class ReplicationService:
             return
         self._expect_pushes(step)
         with self._cv:
+            if self._no_pushes is not None:
+                self._set(ReplicationStatus(step, UNDER_REPLICATED, {p: self._no_pushes for p in self.targets}))
+                return
             self._status[step] = ReplicationStatus(step, PENDING)
             self._pending.append(step)
             self._cv.notify_all()
