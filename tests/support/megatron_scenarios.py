@@ -449,6 +449,42 @@ def choose(p: dict[str, Any]) -> None:
     print("CHOSEN", choose_version(node_base(p)).step, flush=True)
 
 
+def choose_after_verifying_ahead(p: dict[str, Any]) -> None:
+    """Each rank checks its objects of the newest version ahead; rank 1's object of step 2 may be flipped
+    (p["flip"]: "before" that check or "after" it). Prints the choice and how many objects it read itself."""
+    from ml_flashpoint_nemo.replication import choice, preverify
+
+    base, rank = node_base(p), dist.get_rank()
+    step_2 = Path(base) / "step-2"
+
+    def flip() -> None:
+        dist.barrier()
+        if rank == 1:
+            target = step_2 / object_name(1)
+            data = bytearray(target.read_bytes())
+            data[80] ^= 0x10  # inside the first record
+            target.write_bytes(bytes(data))
+        dist.barrier()
+
+    if p["flip"] == "before":
+        flip()
+    preverify.verify_ahead(base, rank)
+    record = next(o for o in choice.read_commit(CheckpointLayout(base), 2).objects if o.rank == rank)
+    passed = preverify.verified_ahead(base, rank, step_2 / record.name, record)  # waits for the check
+    print("PASSED AHEAD", passed, flush=True)
+    if p["flip"] == "after":
+        flip()
+    reads = []
+    verify = choice.verify_object_file
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        reads.append(args[0])
+        return verify(*args, **kwargs)
+
+    choice.verify_object_file = counted
+    print("CHOSEN", choice.choose_version(base).step, "READ", len(reads), flush=True)
+
+
 def manager_failure_fails_first_save_everywhere(p: dict[str, Any]) -> None:
     expect_failure(lambda: save(p, 1, AsyncCallsQueue(persistent=False)), "SAVE FAILED")
 
@@ -497,6 +533,7 @@ if __name__ == "__main__":
                                            plan_reused_only_while_structure_is_unchanged,
                                            overlapping_saves_each_get_their_report,
                                            common_state_on_every_node, failed_node_copy_fails_every_rank, choose,
+                                           choose_after_verifying_ahead,
                                            close_commits_the_saves_after_a_failed_one,
                                            dead_persistent_worker_drops_its_saves_everywhere,
                                            saves_fork_until_the_persistent_worker_is_up,
