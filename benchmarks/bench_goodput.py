@@ -46,6 +46,7 @@ import time
 _T_PROCESS = time.time()  # before any import: the restart's process start
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
@@ -55,7 +56,7 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 import uuid  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any, Callable  # noqa: E402
+from typing import Any, Callable, Iterator  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
@@ -95,6 +96,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", default=None, help="work directory (default: a temp dir, removed at the end)")
     ap.add_argument("--durable-root", default=None, help="durable checkpoints go here (default: under --out)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="per phase, seconds")
+    ap.add_argument("--shim-in-saves", action="store_true",
+                    help="keep the CPU shims' torch function mode on during saves (by default it is paused there: it "
+                         "adds a Python call to each of the ~7000 torch calls of a save, and no GPU machine has it)")
     ap.add_argument("--durable-cache", choices=("warm", "cold"), default="warm",
                     help="cold: before each restart, evict the durable checkpoints' files from the page cache "
                          "(fsync, then posix_fadvise DONTNEED: no root needed, no other file touched), as after "
@@ -221,11 +225,13 @@ def run_rank(args: argparse.Namespace) -> None:
             profile = cProfile.Profile()
         started, started_cpu = time.perf_counter(), time.process_time()
         try:
-            if profile is not None:
-                profile.runcall(original_save, filepath, weights_only, storage_options=storage_options)
-                profile.dump_stats(Path(os.environ[PROFILE_VARIABLE]) / f"ram_save_rank{rank}_step{trainer.global_step}.prof")
-            else:
-                original_save(filepath, weights_only, storage_options=storage_options)
+            with contextlib.nullcontext() if args.shim_in_saves else cpu_shim_mode_paused():
+                if profile is not None:
+                    profile.runcall(original_save, filepath, weights_only, storage_options=storage_options)
+                    profile.dump_stats(Path(os.environ[PROFILE_VARIABLE])
+                                       / f"ram_save_rank{rank}_step{trainer.global_step}.prof")
+                else:
+                    original_save(filepath, weights_only, storage_options=storage_options)
         finally:
             queue = getattr(trainer.strategy.checkpoint_io, "flashpoint_queue", None)
             ready = queue.worker_ready() if queue is not None and hasattr(queue, "worker_ready") else None
@@ -329,6 +335,25 @@ def run_rank(args: argparse.Namespace) -> None:
     dump(trainer)
 
 
+@contextlib.contextmanager
+def cpu_shim_mode_paused() -> Iterator[None]:
+    """Pause the CPU shims' torch function mode (cpu_shims._CudaDeviceToCpu) when it is the innermost one.
+
+    It stands in for CUDA on this CPU-only machine by intercepting every torch call of the thread in
+    Python; a save makes ~7000 such calls (Megatron's sharded state dicts above all). The saves here
+    allocate no CUDA memory, and a GPU machine has no such layer, so saves (RAM and durable alike)
+    are timed without it. Training steps and restores keep it (NeMo's parallel load needs it).
+    """
+    from torch.overrides import _get_current_function_mode, _pop_mode_temporarily
+
+    mode = _get_current_function_mode()
+    if mode is None or type(mode).__name__ != "_CudaDeviceToCpu":
+        yield
+        return
+    with _pop_mode_temporarily():
+        yield
+
+
 def flat_tensors(value: Any) -> list[Any]:
     """Every tensor in a nested state dict."""
     import torch
@@ -365,6 +390,8 @@ def launch(args: argparse.Namespace, config: str, phase: str, base: str) -> int:
     argv = ["--phase", f"{config}:{phase}", "--out", args.out, "--base", base, "--size", str(args.size),
             "--steps", str(args.steps), "--restart-steps", str(args.restart_steps),
             "--ram-every", str(args.ram_every), "--durable-every", str(args.durable_every)]
+    if args.shim_in_saves:
+        argv.append("--shim-in-saves")
     return launch_ranks(__file__, argv, timeout=args.timeout, log_dir=Path(args.out) / config / phase)
 
 
@@ -536,6 +563,7 @@ def report_rows(args: argparse.Namespace, results: dict[str, dict[str, Any]], hi
         rows.append(row)
     rows.append(targets_row(rows))
     rows[0]["durable_cache"] = args.durable_cache
+    rows[0]["cpu_shim_in_saves"] = args.shim_in_saves
     return rows
 
 
@@ -586,7 +614,8 @@ def emit(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
         print(f"NeMo GPT hidden {setup['hidden']} x {setup['layers']} layers, state ~{setup['state_gib_estimate']:.2f}"
               f" GiB, 2 CPU ranks (gloo), {setup['steps']} steps then SIGKILL; RAM every {setup['ram_every']}, "
               f"durable every {setup['durable_every']}; durable restore from a {setup.get('durable_cache')} page "
-              f"cache; load average {setup['loadavg']:.1f} on {setup['cpu_count']} cores")
+              f"cache; CPU shims' torch function mode {'on' if setup.get('cpu_shim_in_saves') else 'paused'} in "
+              f"saves; load average {setup['loadavg']:.1f} on {setup['cpu_count']} cores")
     print("wall clock (RAM blk/fixed: median of the saves after the first; 1st: the first save)")
     print(f"{'cfg':3} {'step s':>7} {'ovh %':>6} {'RAM blk ms':>10} {'fixed ms':>8} {'1st ms':>7} {'dur blk ms':>10} "
           f"{'kill->step s':>12} {'start+imp':>9} {'setup':>6} {'restore':>7} {'1st step':>8} {'lost':>4} "
