@@ -15,19 +15,27 @@ RAM and durable) and trains --restart-steps more. Per configuration it reports:
 
 - median (and mean) step time and the overhead of the median vs a, in %;
 - per save kind (ram, durable): blocking time per save (the time trainer.save_checkpoint held
-  the training loop), the staging copy reference (one torch copy_ of this rank's share of the
-  checkpoint into already-allocated host tensors, measured in the same process), the fixed cost
-  (blocking - staging copy) and where the blocking time goes (timing spans around the calls of
-  the save path: Lightning's dump_checkpoint, Megatron's sharded state dicts, the checkpoint IO,
-  dist_checkpointing.save, the async schedule, the barrier);
+  the training loop; median of the saves after the first, the first reported on its own: it also
+  creates its pool buffer and faults its tmpfs pages in), the staging copy reference (one torch
+  copy_ of this rank's share of the checkpoint into already-allocated host tensors, measured in
+  the same process), the fixed cost (blocking - staging copy) and where the blocking time goes
+  (timing spans around the calls of the save path: Lightning's dump_checkpoint, Megatron's
+  sharded state dicts, the checkpoint IO, dist_checkpointing.save, the async schedule, the
+  barrier). Saves run with the CPU shims' torch function mode paused (--shim-in-saves keeps it);
 - recovery: wall time from the SIGKILL to the end of the first step trained after the restart,
   split into process start + imports, setup (trainer, model, process group), restore
   (Lightning's resume_start .. resume_end: reading the checkpoint into the model and optimizer)
   and the first step; the parts add up to the total by construction of consecutive timestamps;
 - steps lost (trained before the kill, not in the checkpoint resumed from);
+- the same in process CPU seconds (every thread of rank 0's process): step, save blocking and
+  fixed cost, restore. A loaded machine stretches wall times (waiting for a core, and for the
+  slower rank at each collective) far more than CPU times;
 - ETTR (effective training time ratio) for --failures-per-hour failures, from measured costs:
   (t_a / t_mean) * (1 - rate * (recovery + interval * t_mean / 2)), interval the checkpoint
   interval recovery reads from (a failure lands on average half an interval after a save).
+
+The durable restore reads a just-written checkpoint, i.e. from the page cache; --durable-cache cold
+evicts its files first (fsync + posix_fadvise DONTNEED, no root needed, no other file touched).
 
 BENCH_GOODPUT_PROFILE=<dir> writes a cProfile of every RAM save of each rank, and of each restart's restore
 (resume_start .. resume_end), into <dir>.
