@@ -107,6 +107,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--shim-in-saves", action="store_true",
                     help="keep the CPU shims' torch function mode on during saves (by default it is paused there: it "
                          "adds a Python call to each of the ~7000 torch calls of a save, and no GPU machine has it)")
+    ap.add_argument("--reloads", type=int, default=3,
+                    help="right after c's restore, load its RAM version and NeMo's durable checkpoint this many times "
+                         "each, alternately, in the same process (0: off)")
     ap.add_argument("--durable-cache", choices=("warm", "cold"), default="warm",
                     help="cold: before each restart, evict the durable checkpoints' files from the page cache "
                          "(fsync, then posix_fadvise DONTNEED: no root needed, no other file touched), as after "
@@ -268,11 +271,16 @@ def run_rank(args: argparse.Namespace) -> None:
         spans.wrap(durable_io.async_calls_queue, "schedule_async_request", "schedule_async_request")
 
     cpu: dict[str, float] = {}  # process CPU seconds (every thread) at the restore's marks
+    paths: dict[str, str] = {}
+    reloads: dict[str, Any] = {}
     restore_profile: list[Any] = []  # the cProfile of the restore, with BENCH_GOODPUT_PROFILE
 
     def resume_start(original: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*a: Any, **k: Any) -> Any:
             marks.setdefault("restore_start", time.time())
+            found = a[0] if a else k.get("checkpoint_path")
+            if found:
+                paths.setdefault("durable", str(found))  # what NeMo's AutoResume found, before flashpoint's choice
             cpu.setdefault("restore_start", time.process_time())
             if os.environ.get(PROFILE_VARIABLE) and phase == "restart" and not restore_profile:
                 import cProfile
@@ -289,6 +297,10 @@ def run_rank(args: argparse.Namespace) -> None:
             finally:
                 marks["restore_end"] = time.time()
                 cpu["restore_end"] = time.process_time()
+                if phase == "restart" and config == "c" and args.reloads and not reloads:
+                    marks["reloads_start"] = time.time()  # left out of the recovery's parts
+                    reloads.update(reload_both(trainer, args, paths.get("durable")))
+                    marks["reloads_end"] = time.time()
                 if restore_profile:
                     restore_profile[0].disable()
                     restore_profile[0].dump_stats(Path(os.environ[PROFILE_VARIABLE]) / f"restore_{config}_rank{rank}.prof")
@@ -314,7 +326,7 @@ def run_rank(args: argparse.Namespace) -> None:
         result = {
             "rank": rank, "config": config, "phase": phase, "hidden": hidden, "layers": layers,
             "steps": timing.steps, "step_cpu": timing.cpu, "saves": saves, "spans": spans.seconds, "marks": marks, "cpu": cpu,
-            "staging": staging, "killed_at": killed_at,
+            "staging": staging, "killed_at": killed_at, "reloads": reloads,
             "ram_outcomes": flashpoint.callback.saves if flashpoint else [],
             "resumed_from": decision.source if decision else None,
         }
@@ -362,6 +374,38 @@ def cpu_shim_mode_paused() -> Iterator[None]:
         yield
 
 
+def reload_both(trainer: Any, args: argparse.Namespace, durable: str | None) -> dict[str, Any]:
+    """Right after the restore from RAM: load that RAM version and NeMo's durable checkpoint into the same
+    model and optimizer, alternately, --reloads times each (RAM last, so training goes on from the state
+    restored); wall and CPU seconds of every load.
+
+    Both go through the trainer's own MegatronStrategy.load_checkpoint (sharded state dicts, Megatron's load;
+    NeMo's parallel load for the durable one), in one process at the same moments, so a loaded machine
+    slows both alike. Unlike the restore, the optimizer state exists already and no version is chosen.
+    """
+    import torch
+
+    from ml_flashpoint_nemo.core.layout import CheckpointLayout
+    from ml_flashpoint_nemo.core.versions import committed_steps
+
+    layout = CheckpointLayout(args.base)
+    steps = committed_steps(layout)
+    if durable is None or not steps:
+        return {}
+    paths = {"ram": str(layout.version_dir(steps[-1])), "durable": durable}
+    seconds: dict[str, list[float]] = {"ram": [], "durable": []}
+    cpu_seconds: dict[str, list[float]] = {"ram": [], "durable": []}
+    for round_ in range(args.reloads):
+        for kind in ("ram", "durable") if (args.reloads - round_) % 2 == 0 else ("durable", "ram"):
+            torch.distributed.barrier()
+            started, started_cpu = time.perf_counter(), time.process_time()
+            trainer.strategy.load_checkpoint(paths[kind])
+            torch.distributed.barrier()  # the slower rank's time: the job waits for it
+            seconds[kind].append(time.perf_counter() - started)
+            cpu_seconds[kind].append(time.process_time() - started_cpu)
+    return {"paths": paths, "seconds": seconds, "cpu_seconds": cpu_seconds}
+
+
 def flat_tensors(value: Any) -> list[Any]:
     """Every tensor in a nested state dict."""
     import torch
@@ -400,6 +444,7 @@ def launch(args: argparse.Namespace, config: str, phase: str, base: str) -> int:
             "--ram-every", str(args.ram_every), "--durable-every", str(args.durable_every)]
     if args.shim_in_saves:
         argv.append("--shim-in-saves")
+    argv += ["--reloads", str(args.reloads)]
     return launch_ranks(__file__, argv, timeout=args.timeout, log_dir=Path(args.out) / config / phase)
 
 
@@ -468,18 +513,19 @@ def summarize_saves(train: dict[str, Any], world: int) -> dict[str, Any]:
 def recovery(args: argparse.Namespace, config: str, restart: dict[str, Any], train: dict[str, Any]) -> dict[str, Any]:
     kill = json.loads((Path(args.out) / config / "kill_rank0.json").read_text())
     m = restart["marks"]
+    reloading = m.get("reloads_end", 0.0) - m.get("reloads_start", 0.0)  # the extra loads of reload_both
     parts = {
         "start_imports_s": m["imports"] - kill,
         "setup_s": m["restore_start"] - m["imports"],
         "restore_s": m["restore_end"] - m["restore_start"],
-        "first_step_s": m["first_step"] - m["restore_end"],
+        "first_step_s": m["first_step"] - m["restore_end"] - reloading,
     }
     first = restart["steps"][0][0] if restart["steps"] else None
     resumed_step = None if first is None else first - 1
     source = restart["resumed_from"] or ("durable" if resumed_step else "none")
     cpu = restart.get("cpu", {})
     restore_cpu = cpu["restore_end"] - cpu["restore_start"] if {"restore_start", "restore_end"} <= cpu.keys() else None
-    return {**parts, "total_s": m["first_step"] - kill, "restore_cpu_s": restore_cpu, "resumed_from": source,
+    return {**parts, "total_s": m["first_step"] - kill - reloading, "restore_cpu_s": restore_cpu, "resumed_from": source,
             "resumed_step": resumed_step, "killed_at": train["killed_at"],
             "steps_lost": None if resumed_step is None else train["killed_at"] - resumed_step}
 
@@ -563,6 +609,11 @@ def report_rows(args: argparse.Namespace, results: dict[str, dict[str, Any]], hi
             "state_bytes_per_rank": train["staging"]["nbytes"] if train["staging"] else None,
             "saves": summarize_saves(train, world) if config != "a" else {},
         }
+        if result.get("restart", {}).get("reloads"):
+            reloads = result["restart"]["reloads"]
+            row["reloads"] = {kind: {"median_s": statistics.median(reloads["seconds"][kind]),
+                                     "median_cpu_s": statistics.median(reloads["cpu_seconds"][kind]),
+                                     "seconds": reloads["seconds"][kind]} for kind in ("ram", "durable")}
         if "restart" in result:
             rec = recovery(args, config, result["restart"], train)
             row["recovery"] = rec
@@ -584,6 +635,11 @@ def targets_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
         values["restore_speedup_ram_vs_durable"] = durable["restore_s"] / ram_rec["restore_s"]
         if durable.get("restore_cpu_s") and ram_rec.get("restore_cpu_s"):
             values["restore_speedup_ram_vs_durable_cpu"] = durable["restore_cpu_s"] / ram_rec["restore_cpu_s"]
+    reloads = by.get("c", {}).get("reloads")
+    if reloads:  # the same comparison, interleaved in one process: what a loaded machine distorts least
+        values["reload_speedup_ram_vs_durable"] = reloads["durable"]["median_s"] / reloads["ram"]["median_s"]
+        values["reload_speedup_ram_vs_durable_cpu"] = (reloads["durable"]["median_cpu_s"]
+                                                       / reloads["ram"]["median_cpu_s"])
     ram = by.get("c", {}).get("saves", {}).get("ram", {})
     if ram.get("saves"):
         values["ram_blocking_over_staging"] = ram["blocking_over_staging"]
@@ -598,6 +654,8 @@ def targets_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
         met[key] = meets(key, values.get(key), target)
         if key in CPU_VARIANTS:
             met[CPU_VARIANTS[key]] = meets(key, values.get(CPU_VARIANTS[key]), target)
+    for key in ("reload_speedup_ram_vs_durable", "reload_speedup_ram_vs_durable_cpu"):
+        met[key] = meets("restore_speedup_ram_vs_durable", values.get(key), TARGETS["restore_speedup_ram_vs_durable"])
     return {"name": "targets", "targets": TARGETS, "values": values, "meets_target": met}
 
 
@@ -662,6 +720,12 @@ def emit(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
             print(f"  {key} {'>=' if key.startswith('restore') else '==' if key.endswith('blocking_s') else '<='} "
                   f"{target:g}: measured {_num(row['values'].get(key), 0, 4, 'g')} -> "
                   f"{_verdict(row['meets_target'][key])}{cpu}")
+            if key == "restore_speedup_ram_vs_durable" and "reload_speedup_ram_vs_durable" in row["values"]:
+                print(f"    the same loads repeated in c's restarted process, alternately (median): "
+                      f"{_num(row['values']['reload_speedup_ram_vs_durable'], 0, 4, 'g')} -> "
+                      f"{_verdict(row['meets_target']['reload_speedup_ram_vs_durable'])}; CPU time "
+                      f"{_num(row['values']['reload_speedup_ram_vs_durable_cpu'], 0, 4, 'g')} -> "
+                      f"{_verdict(row['meets_target']['reload_speedup_ram_vs_durable_cpu'])}")
     for row in configs:
         if row.get("available") and row["saves"].get("ram", {}).get("saves"):
             spans = row["saves"]["ram"]["spans_per_save_s"]
