@@ -8,8 +8,10 @@ the choice's pass runs while the process imports and builds instead of while the
 A check done ahead counts only for the same file and the same commit record entry: device,
 inode, size and modification and change times equal before and after the check and when the
 choice asks, and the record's name, size and checksum equal. Anything else (a file rewritten,
-replaced by a peer's replica, or not checked yet) the choice checks itself. Bytes that change in
-memory without a write are still caught: the load checks every record it copies.
+replaced by a peer's replica, or not checked yet) the choice checks itself. Bytes that change
+without a write in between (a stray store through a mapping, a memory fault) are still caught by
+the load, which checks every record it copies; that load then fails on every rank, where a check
+in the choice would have fallen back to an older version.
 """
 
 from __future__ import annotations
