@@ -96,7 +96,13 @@ def any_rank(flag: bool) -> bool:
 
 
 def problems_of_every_rank(problem: str | None) -> list[str]:
-    """Collective: every rank's problem (None: none), so that every rank takes the same branch."""
+    """Collective: every rank's problem (None: none), so that every rank takes the same branch.
+
+    One small all-reduce when no rank has a problem (the usual case); only then are the
+    messages gathered (pickled), by every rank alike.
+    """
+    if not any_rank(bool(problem)):
+        return []
     problems: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(problems, problem)
     return [p for p in problems if p]

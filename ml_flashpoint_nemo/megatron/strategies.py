@@ -20,6 +20,7 @@ import functools
 import logging
 import os
 import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +105,10 @@ def _split_checkpoint_dir(checkpoint_dir: str | os.PathLike[str]) -> tuple[Check
     return CheckpointLayout(path.parent), os.fspath(path)
 
 
+# The savers (one per pool) whose pool got a warm buffer for the save after their first one.
+_WARMED_SAVERS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
 class _StagingWriter(MemoryStorageWriter):
     """The writer Megatron's async planner drives: stages in prepare_write_data, commits in finish."""
 
@@ -134,7 +139,13 @@ class _StagingWriter(MemoryStorageWriter):
         retire_superseded(self.layout.base_dir, keep=self.keep, rank=self.rank, pool=saver.pool,
                           world_size=dist.get_world_size())
         flat, self.items = resolve_write_items(plan, planner)
+        first = saver not in _WARMED_SAVERS
         self.staged = saver.stage_object(self.step, flat, overwrite=True, defer_checksums=True)
+        if first:
+            # The next save still finds this version committed (it is retired only then), so it needs a
+            # buffer of its own: fault one in now, in the background, rather than while training waits.
+            _WARMED_SAVERS.add(saver)
+            saver.warm_up(self.staged.seal_job.plan.object_nbytes, count=1)
 
     def place_and_report(self) -> list[WriteResult]:
         """Finalize phase on every rank: check the sealed object, move it into the version."""

@@ -132,9 +132,19 @@ class FlashpointCheckpointIO(AsyncFinalizableCheckpointIO):
         self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options)
 
     def load_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        if not self.is_ram_path(path):
+            return self.checkpoint_io.load_checkpoint(path, *args, **kwargs)
         # A RAM version's metadata.json names the flashpoint load strategy, which Megatron picks.
-        target = innermost_checkpoint_io(self.checkpoint_io) if self.is_ram_path(path) else self.checkpoint_io
-        return target.load_checkpoint(path, *args, **kwargs)
+        # Every rank reads all it needs from its own node's tmpfs (recovery put every object there):
+        # NeMo's parallel load (ckpt_parallel_load, on by default) would read a part on each rank and
+        # send the rest over the process group, far slower than a local copy.
+        inner = innermost_checkpoint_io(self.checkpoint_io)
+        parallel_load = getattr(inner, "parallel_load", False)
+        inner.parallel_load = False
+        try:
+            return inner.load_checkpoint(path, *args, **kwargs)
+        finally:
+            inner.parallel_load = parallel_load
 
     def remove_checkpoint(self, path: Any) -> None:
         if not self.is_ram_path(path):
