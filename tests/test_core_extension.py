@@ -791,8 +791,12 @@ def build_read_ops(file_size: int, seed: int):
     return ranges
 
 
+READ_METHODS = ["auto", "map", "pread"]
+
+
+@pytest.mark.parametrize("method", READ_METHODS)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_read_file_into_tensors(shm_dir, threads):
+def test_read_file_into_tensors(shm_dir, threads, method):
     file_size = 9 * MiB + 123
     data = random_bytes(file_size, seed=60)
     path = shm_dir / "file"
@@ -802,7 +806,7 @@ def test_read_file_into_tensors(shm_dir, threads):
     ops = [(offset, dest.data_ptr(), n, n) for (offset, n), dest in zip(ranges, destinations)]
     fd = os.open(path, os.O_RDONLY)
     try:
-        crcs = _core.read_file_into(fd, ops_array(ops), True, threads)
+        crcs = _core.read_file_into(fd, ops_array(ops), True, threads, method)
         assert len(crcs) == len(ops)
         for (offset, n), dest, crc in zip(ranges, destinations, crcs):
             expected = data[offset : offset + n]
@@ -811,7 +815,7 @@ def test_read_file_into_tensors(shm_dir, threads):
 
         for dest in destinations:
             dest.zero_()
-        assert _core.read_file_into(fd, ops_array(ops), checksum=False, threads=threads) == [0] * len(ops)
+        assert _core.read_file_into(fd, ops_array(ops), checksum=False, threads=threads, method=method) == [0] * len(ops)
         for (offset, n), dest in zip(ranges, destinations):
             assert memory_at(dest.data_ptr(), n) == data[offset : offset + n]
 
@@ -822,7 +826,8 @@ def test_read_file_into_tensors(shm_dir, threads):
         target = torch.empty_like(floats)
         fd2 = os.open(path2, os.O_RDONLY)
         try:
-            _core.read_file_into(fd2, ops_array([(0, target.data_ptr(), target.nbytes, target.nbytes)]), True, threads)
+            _core.read_file_into(fd2, ops_array([(0, target.data_ptr(), target.nbytes, target.nbytes)]), True, threads,
+                                 method)
         finally:
             os.close(fd2)
         assert torch.equal(target, floats)
@@ -830,8 +835,9 @@ def test_read_file_into_tensors(shm_dir, threads):
         os.close(fd)
 
 
+@pytest.mark.parametrize("method", READ_METHODS)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_reading_past_the_end_raises_short_read(shm_dir, threads):
+def test_reading_past_the_end_raises_short_read(shm_dir, threads, method):
     path = shm_dir / "file"
     path.write_bytes(random_bytes(10 * MiB, seed=62))
     destination = torch.empty(11 * MiB, dtype=torch.uint8)
@@ -843,11 +849,11 @@ def test_reading_past_the_end_raises_short_read(shm_dir, threads):
             fine = (0, destination.data_ptr(), MiB, destination.nbytes)  # refused with the bad one
             with pytest.raises(EOFError) as info:
                 _core.read_file_into(fd, ops_array([fine, (offset, destination.data_ptr(), n, destination.nbytes)]),
-                                     True, threads)
+                                     True, threads, method)
             assert isinstance(info.value, _core.ShortReadError)
             assert bool((destination == 0x77).all()), "a refused read must not have written any byte"
             with pytest.raises(_core.ShortReadError):
-                _core.checksum_file_ranges(fd, ops_array([(offset, n)]), threads)
+                _core.checksum_file_ranges(fd, ops_array([(offset, n)]), threads, method)
     finally:
         os.close(fd)
 
@@ -883,8 +889,9 @@ def test_read_file_into_reports_a_bad_fd():
     assert info.value.errno == errno.EBADF
 
 
+@pytest.mark.parametrize("method", READ_METHODS)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_checksum_file_ranges(shm_dir, threads):
+def test_checksum_file_ranges(shm_dir, threads, method):
     file_size = 9 * MiB + 77
     data = random_bytes(file_size, seed=63)
     path = shm_dir / "file"
@@ -892,7 +899,7 @@ def test_checksum_file_ranges(shm_dir, threads):
     ranges = build_read_ops(file_size, seed=64 + threads) + [(0, file_size)]
     fd = os.open(path, os.O_RDONLY)
     try:
-        crcs = _core.checksum_file_ranges(fd, ops_array(ranges), threads)
+        crcs = _core.checksum_file_ranges(fd, ops_array(ranges), threads, method)
     finally:
         os.close(fd)
     assert crcs == [_core.crc32c(data[offset : offset + n]) for offset, n in ranges]
@@ -1039,8 +1046,9 @@ def test_fused_copy_and_checksum_at_random_sizes_alignments_and_offsets(shm_dir)
         buffer.close()
 
 
+@pytest.mark.parametrize("method", READ_METHODS)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_read_file_into_at_random_sizes_alignments_and_offsets(shm_dir, threads):
+def test_read_file_into_at_random_sizes_alignments_and_offsets(shm_dir, threads, method):
     """Loads copy and checksum straight from the file's pages: unaligned file offsets, destinations
     and lengths, large and small, in one call."""
     rng = random.Random(80 + threads)
@@ -1049,13 +1057,14 @@ def test_read_file_into_at_random_sizes_alignments_and_offsets(shm_dir, threads)
     path.write_bytes(data)
     rows = []
     for _ in range(20):
-        n = rng.choice([rng.randrange(256 * 1024, 5 * MiB), rng.randrange(0, 5000), 256 * 1024 + rng.randrange(-70, 70)])
+        n = rng.choice([rng.randrange(256 * 1024, 5 * MiB), rng.randrange(0, 5000), 256 * 1024 + rng.randrange(-70, 70),
+                        16 * 1024 + rng.randrange(-70, 70), rng.randrange(5000, 70_000)])
         rows.append((rng.randrange(0, len(data) - n), n, rng.randrange(0, 64)))
     arenas = [torch.full((n + shift + 64,), 0xC3, dtype=torch.uint8) for _, n, shift in rows]
     ops = [(offset, arena.data_ptr() + shift, n, n) for (offset, n, shift), arena in zip(rows, arenas)]
     fd = os.open(path, os.O_RDONLY)
     try:
-        crcs = _core.read_file_into(fd, ops_array(ops), True, threads)
+        crcs = _core.read_file_into(fd, ops_array(ops), True, threads, method)
     finally:
         os.close(fd)
     for (offset, n, shift), arena, crc in zip(rows, arenas, crcs):
