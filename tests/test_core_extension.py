@@ -985,10 +985,11 @@ def test_copy_into_buffer_releases_the_gil(shm_dir):
 @pytest.mark.parametrize("checksum", [True, False])
 @pytest.mark.parametrize(
     "dst_offset, src_offset, nbytes",
-    [(1, 3, (1 << 20) + 17), (33, 0, 3 * 4096 * 5 + 5), (64, 7, 256 << 10), (4096, 1, (8 << 20) + 1), (0, 0, 255 << 10)],
+    [(1, 3, (1 << 20) + 17), (33, 0, 3 * 4096 * 5 + 5), (64, 7, 256 << 10), (4096, 1, (8 << 20) + 1), (0, 0, 255 << 10),
+     (5, 2, 16 << 10), (0, 9, (16 << 10) - 1), (63, 0, (16 << 10) + 1), (7, 7, 20000)],
 )
 def test_large_copies_stream_correctly_at_any_alignment(shm_dir, checksum, dst_offset, src_offset, nbytes):
-    """Copies of 256 KiB and more take the one-pass streaming path: check its edges byte for byte."""
+    """Copies of 16 KiB and more take the one-pass streaming path: check its edges byte for byte."""
     buffer = ShmBuffer.create(str(shm_dir / "buf"), 16 << 20)
     source = torch.randint(0, 256, (nbytes + src_offset,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
     try:
@@ -1021,7 +1022,7 @@ def test_fused_copy_and_checksum_at_random_sizes_alignments_and_offsets(shm_dir)
     rng = random.Random(70)
     source = torch.randint(0, 256, (24 * MiB,), dtype=torch.uint8, generator=torch.Generator().manual_seed(71))
     src_bytes = source.numpy().tobytes()
-    sizes = [rng.choice([256 * 1024 + rng.randrange(-300, 300), rng.randrange(256 * 1024, 3 * MiB),
+    sizes = [rng.choice([16 * 1024 + rng.randrange(-300, 300), rng.randrange(256 * 1024, 3 * MiB),
                          rng.randrange(0, 70_000), 4 * MiB + rng.randrange(1, 200)]) for _ in range(24)]
     rows, dst = [], 0
     for n in sizes:
