@@ -1,14 +1,17 @@
 """How a DCP item maps to a record of a flashpoint object, and how versions are named.
 
 Two forms, both plain tuples (pickled in C, not through a class's reduce):
-- WrittenItem, a WriteResult's storage_data: the object's record and the record key. DCP
-  gathers these from every rank; the coordinator lists the records in the commit record.
+- WrittenItem, a WriteResult's storage_data: the item's ItemLocation, and for the first item of
+  each object also the object's record (object name, record key, record). DCP gathers these
+  from every rank; the coordinator lists the records in the commit record. The record travels
+  once per object, not once per item, because finish() handles every item of the job.
 - ItemLocation, the storage_data kept in `.metadata`: the object's file name and the record
   key, plain strings, so `.metadata` unpickles with torch alone.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -20,10 +23,10 @@ from ml_flashpoint_nemo.core.layout import DCP_METADATA_NAME, CheckpointLayout, 
 from ml_flashpoint_nemo.errors import BaseDirError, CorruptCheckpointError
 
 __all__ = ["DCP_METADATA_NAME", "CheckpointIdCheck", "ItemLocation", "WrittenItem", "item_location", "record_key",
-           "step_of_checkpoint_id"]
+           "record_key_of", "step_of_checkpoint_id"]
 
-WrittenItem = tuple[ObjectRecord, str]  # (record of the object holding the item, record key)
 ItemLocation = tuple[str, str]  # (object file name, record key)
+WrittenItem = ItemLocation | tuple[str, str, ObjectRecord]  # the second form for an object's first item
 
 
 def item_location(value: Any, index: MetadataIndex, step: int | None) -> ItemLocation:
@@ -39,10 +42,15 @@ def item_location(value: Any, index: MetadataIndex, step: int | None) -> ItemLoc
 
 def record_key(index: MetadataIndex) -> str:
     """A unique record key per DCP item: the fully qualified name plus the chunk offset."""
-    offset = index.offset
+    return record_key_of(index.fqn, index.offset)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def record_key_of(fqn: str, offset: tuple[int, ...] | None) -> str:
+    """record_key of the item (fqn, offset); cached, as a job saves the same items every time."""
     if offset is None:
-        return index.fqn
-    return f"{index.fqn}@{','.join(map(str, offset))}"
+        return fqn
+    return f"{fqn}@{','.join(map(str, offset))}"
 
 
 def step_of_checkpoint_id(layout: CheckpointLayout | None, checkpoint_id: Any) -> int:

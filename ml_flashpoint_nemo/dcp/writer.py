@@ -34,8 +34,7 @@ from ml_flashpoint_nemo.dcp.storage_info import (
     DCP_METADATA_NAME,
     CheckpointIdCheck,
     ItemLocation,
-    WrittenItem,
-    record_key,
+    record_key_of,
     step_of_checkpoint_id,
 )
 from ml_flashpoint_nemo.errors import BaseDirError, UnsupportedValueError, VersionExistsError
@@ -158,15 +157,16 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         if self.step is None:
             raise BaseDirError("finish called before reset(checkpoint_id)")
-        storage_data: dict[Any, ItemLocation] = {}
-        objects: dict[int, ObjectRecord] = {}  # by identity: every item of an object shares its record
-        written: WrittenItem
+        # One dict comprehension over every item (the per-item cost is what this budget is about); each
+        # object's first item also carries its record, which the commit record lists.
+        storage_data: dict[Any, ItemLocation] = {wr.index: wr.storage_data for per_rank in results for wr in per_rank}
+        objects: list[ObjectRecord] = []
         for per_rank in results:
-            for wr in per_rank:
-                written = wr.storage_data
-                record, key = written
-                storage_data[wr.index] = (record.name, key)
-                objects[id(record)] = record
+            if per_rank:
+                first = per_rank[0]
+                name, key, record = first.storage_data
+                storage_data[first.index] = (name, key)
+                objects.append(record)
         metadata.storage_data = storage_data
         metadata.storage_meta = self.storage_meta()  # for dcp.save's caller; the file leaves it out
         encoded = encode_metadata(self.layout.base_dir, metadata)
@@ -177,7 +177,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         write_commit(
             self.layout,
             self.step,
-            sorted(set(objects.values()), key=lambda o: (o.rank, o.name)),
+            sorted(objects, key=lambda o: (o.rank, o.name)),
             world_size=len(results),
             metadata={
                 "kind": "dcp",
@@ -250,8 +250,16 @@ def warm_up_rank_pool(base_dir: str | os.PathLike[str], rank: int) -> None:
 
 
 def write_results(record: ObjectRecord, described: list[tuple[Any, str, int]]) -> list[WriteResult]:
-    """One WriteResult per item of the object `record` describes; storage_data is a WrittenItem."""
-    return [WriteResult(index=index, size_in_bytes=nbytes, storage_data=(record, key)) for index, key, nbytes in described]
+    """One WriteResult per item of the object `record` describes; storage_data is a WrittenItem.
+
+    Every item gets its ItemLocation, the first one also the record (see WrittenItem).
+    """
+    name = record.name
+    results = [WriteResult(index, nbytes, (name, key)) for index, key, nbytes in described]
+    if results:
+        first = results[0]
+        results[0] = WriteResult(first.index, first.size_in_bytes, (name, first.storage_data[1], record))
+    return results
 
 
 def resolve_write_items(plan: SavePlan, planner: SavePlanner) -> tuple[dict[str, Any], list[tuple[Any, str, int]]]:
@@ -265,12 +273,12 @@ def resolve_write_items(plan: SavePlan, planner: SavePlanner) -> tuple[dict[str,
     byte_io = WriteItemType.BYTE_IO
     for item in plan.items:
         data = resolve(item)
-        if item.type == byte_io:
+        if item.type is byte_io:
             data = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(bytes(data))
         # nbytes of a tensor is numel * element_size; of a buffer, its length in bytes
         nbytes = data.nbytes
         index = item.index
-        key = record_key(index)
+        key = record_key_of(index.fqn, index.offset)
         if key in flat:
             raise UnsupportedValueError(
                 f"two items of the plan map to the record key {key!r} ({index.fqn!r} and another); "
