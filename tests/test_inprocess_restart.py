@@ -32,7 +32,8 @@ How the Wrapper runs on CPU, and why:
   spans and raises "Cannot start span training_loop while 1 span(s) with the same name is already active".
 
 What this process holds is recorded per rank before the Wrapper, at the start of every iteration (after the abort
-and finalize of the previous one) and after the Wrapper returned: Python and OS threads (/proc/self/task), open
+and finalize of the previous one, once every earlier trainer has been freed: polled with a deadline, as an aborted
+trainer is sometimes released a moment later by another thread) and after the Wrapper returned: Python and OS threads (/proc/self/task), open
 fds (/proc/self/fd; sockets and pipes by kind), child processes (psutil), tmpfs mappings (/proc/self/maps), files
 under the base directory and the flashpoint resources registered as alive (core.lifecycle). Asserted:
 - at every point: no flashpoint resource alive, no flashpoint thread, no fd or mapping into the base directory, no
@@ -168,6 +169,9 @@ def test_nothing_leaks_across_restarts(inprocess_run):
     for rank, snapshots in enumerate(inprocess_run["resources"]):
         for label, snapshot in snapshots.items():
             assert _flashpoint_holdings(snapshot, base) == [], f"rank {rank}, {label}"
+            assert snapshot["former_trainers_alive"] == 0, (
+                f"rank {rank}, {label}: an earlier iteration's trainer is still alive after "
+                f"{snapshot['waited_for_their_release_s']} s")
         for earlier, later in zip(restarts, restarts[1:]):
             assert _difference(snapshots[earlier], snapshots[later]) == ({}, {}), (
                 f"rank {rank}: (grown, shrunk) from the start of {earlier} to the start of {later}")

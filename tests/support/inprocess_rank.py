@@ -25,6 +25,8 @@ import logging
 import os
 import sys
 import threading
+import time
+import weakref
 from pathlib import Path
 from typing import Any, Optional
 
@@ -99,11 +101,34 @@ def _base_files(base: Path) -> list[str]:
     return sorted(str(path.relative_to(base)) for path in base.rglob("*") if not path.is_dir()) if base.exists() else []
 
 
+FORMER_TRAINERS: list[weakref.ref[Any]] = []  # every trainer made so far, to wait until the aborted ones are freed
+RELEASE_WAIT_S = 60.0
+
+
+def _wait_until_former_trainers_are_freed() -> dict[str, Any]:
+    """Poll (deadline RELEASE_WAIT_S) until no earlier trainer is alive.
+
+    After an abort the previous trainer (with its 16 gloo groups: threads, sockets, pipes) is
+    sometimes still referenced for a moment by something the garbage collector does not see (a
+    frame still unwinding in another thread, a C++ callback), so a snapshot taken at once counts
+    it. Waiting for it keeps the leak check exact: a trainer that is never freed is still found,
+    as the snapshot then records it as alive.
+    """
+    deadline, started = time.monotonic() + RELEASE_WAIT_S, time.monotonic()
+    while True:
+        gc.collect()
+        alive = sum(ref() is not None for ref in FORMER_TRAINERS)
+        if alive == 0 or time.monotonic() > deadline:
+            return {"former_trainers_alive": alive, "waited_for_their_release_s": round(time.monotonic() - started, 2)}
+        time.sleep(0.1)
+
+
 def snapshot(base: Path) -> dict[str, Any]:
     from ml_flashpoint_nemo.core.lifecycle import live_resources
 
-    gc.collect()
+    release = _wait_until_former_trainers_are_freed()
     return {
+        **release,
         "python_threads": sorted(thread.name for thread in threading.enumerate()),
         "os_threads": _thread_names(),
         "fds": _fd_targets(),
@@ -245,6 +270,7 @@ def main() -> None:
             trainer = make_trainer(*positional, callbacks=[*(callbacks or []), Record(entry), Fault(iteration)],
                                    **options)
             trainer.strategy.store = prefix_store  # NeMo's MegatronStrategy initializes its process group with it
+            FORMER_TRAINERS.append(weakref.ref(trainer))
             return trainer
 
         tiny_gpt.make_trainer = make_trainer_for_this_iteration  # nemo_train imports tiny_gpt: the same module
