@@ -2,6 +2,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <tuple>
 #include <vector>
 
 #include "bindings_common.hpp"
@@ -77,6 +78,21 @@ std::string optional_relative_path(const py::object& path) {
   const std::string p = fspath(path);
   split_relative_path(p);  // TransferPathError (a ValueError) naming it
   return p;
+}
+
+// An allow-list from Python: None (every address) or an iterable of numeric addresses.
+std::pair<bool, std::vector<std::string>> allow_list(const py::object& addresses) {
+  if (addresses.is_none()) return {true, {}};
+  if (py::isinstance<py::str>(addresses) || py::isinstance<py::bytes>(addresses))
+    throw py::type_error("allowed_peers must be None or a list of addresses, not one string");
+  std::vector<std::string> out;
+  for (const py::handle& a : addresses) out.push_back(a.cast<std::string>());
+  return {false, out};
+}
+
+py::object allow_list_object(const std::pair<bool, std::vector<std::string>>& allowed) {
+  if (allowed.first) return py::none();
+  return py::cast(allowed.second);
 }
 
 py::dict transfer_result(const TransferResult& r) {
@@ -253,11 +269,18 @@ void register_transfer(py::module_& m) {
 
   py::class_<TransferServer>(m, "TransferServer",
                              "Serves PUSH and FETCH of checkpoint objects under base_dir to authenticated peers.\n\n"
-                             "max_connections worker threads (plus one accept thread) serve connections; up to\n"
-                             "max_pending more wait in a queue, beyond that they are closed at once. The handshake\n"
-                             "and request must arrive within io_timeout_s, then every wait is bounded by it.\n"
-                             "Errors inside the service threads are kept (last 1000) for errors(). Use as a\n"
-                             "context manager or call stop().\n\n"
+                             "One admission thread accepts connections and runs every handshake (non-blocking),\n"
+                             "so a peer without the secret never occupies a worker: a connection whose address is\n"
+                             "not in allowed_peers (None: any) is closed before a byte is read or written; at most\n"
+                             "max_connections_per_peer connections per address (handshaking, queued or served); at\n"
+                             "most max_handshakes handshaking at once (when full, a new connection displaces the\n"
+                             "oldest handshake of the address with the most); a handshake not completed within\n"
+                             "handshake_timeout_s of accept() is closed. max_connections worker threads serve the\n"
+                             "authenticated connections; up to max_pending more wait in a queue, beyond that they\n"
+                             "are closed. The request must arrive within io_timeout_s of a worker taking the\n"
+                             "connection, then every wait is bounded by it. Errors inside the service threads are\n"
+                             "kept (last 1000) for errors(); those about connections that did not authenticate at\n"
+                             "most 10 a minute, the rest counted. Use as a context manager or call stop().\n\n"
                              "spare_dir (relative to base_dir, same file system): a directory of spare files, e.g.\n"
                              "retired replicas. A push takes one (the smallest that holds the object, else the\n"
                              "largest) by renaming it to its temp name, resizes and overwrites it, so the data lands\n"
@@ -265,7 +288,8 @@ void register_transfer(py::module_& m) {
                              "ignored; a missing directory means no spares.")
       .def(py::init([](const py::object& base_dir, const py::bytes& secret, const std::string& host, int port,
                        int max_connections, double io_timeout_s, uint64_t max_object_bytes, int max_pending,
-                       const py::object& spare_dir) {
+                       const py::object& spare_dir, double handshake_timeout_s, int max_handshakes,
+                       int max_connections_per_peer, const py::object& allowed_peers) {
              TransferServerConfig c;
              c.base_dir = fspath(base_dir);
              c.secret = secret;
@@ -276,15 +300,30 @@ void register_transfer(py::module_& m) {
              c.max_object_bytes = max_object_bytes;
              c.max_pending = max_pending;
              c.spare_dir = optional_relative_path(spare_dir);
+             c.handshake_timeout_s = handshake_timeout_s;
+             c.max_handshakes = max_handshakes;
+             c.max_connections_per_peer = max_connections_per_peer;
+             std::tie(c.allow_any_peer, c.allowed_peers) = allow_list(allowed_peers);
              py::gil_scoped_release release;
              return std::unique_ptr<TransferServer>(new TransferServer(c));
            }),
            py::arg("base_dir"), py::arg("secret"), py::arg("host") = "127.0.0.1", py::arg("port") = 0,
            py::arg("max_connections") = 4, py::arg("io_timeout_s") = 30.0, py::arg("max_object_bytes") = kDefaultMax,
-           py::arg("max_pending") = 0, py::arg("spare_dir") = py::none())
+           py::arg("max_pending") = 0, py::arg("spare_dir") = py::none(), py::kw_only(),
+           py::arg("handshake_timeout_s") = 5.0, py::arg("max_handshakes") = 64,
+           py::arg("max_connections_per_peer") = 32, py::arg("allowed_peers") = py::none())
       .def_property_readonly("port", &TransferServer::port, "The bound TCP port.")
       .def_property_readonly("host", &TransferServer::host)
       .def_property_readonly("running", &TransferServer::running)
+      .def_property(
+          "allowed_peers", [](const TransferServer& self) { return allow_list_object(self.allowed_peers()); },
+          [](TransferServer& self, const py::object& addresses) {
+            const auto allowed = allow_list(addresses);
+            self.set_allowed_peers(allowed.first, allowed.second);
+          },
+          "Peer addresses that may connect (canonical numeric text), or None: any. Setting it (None or a list\n"
+          "of numeric IPv4/IPv6 addresses; ValueError naming one that is not, nothing changed then) applies to\n"
+          "connections accepted from then on.")
       .def(
           "stop",
           [](TransferServer& self) {
@@ -302,8 +341,11 @@ void register_transfer(py::module_& m) {
           "Errors raised inside the service threads since the last call, as strings (then cleared). Bytes\n"
           "outside printable ASCII (peers choose names and messages) appear as \\xNN.")
       .def("stats", &TransferServer::stats,
-           "Counters: accepted, rejected_busy, auth_failures, ..., spares_taken (pushes received into a spare\n"
-           "file), mappings_reused (of those, written through a mapping kept from an earlier reception).")
+           "Counters: accepted, rejected_not_allowed (address not allowed), rejected_peer_cap (an address at\n"
+           "max_connections_per_peer with no handshake to displace), handshakes_dropped (displaced by newer\n"
+           "connections), handshake_timeouts, handshakes_ok, handshaking (now), errors_suppressed (by the rate\n"
+           "limit), rejected_busy, auth_failures, ..., spares_taken (pushes received into a spare file),\n"
+           "mappings_reused (of those, written through a mapping kept from an earlier reception).")
       .def("__enter__", [](py::object self) { return self; })
       .def("__exit__",
            [](TransferServer& self, const py::args&) {

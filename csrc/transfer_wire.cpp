@@ -91,11 +91,8 @@ std::string random_hex(size_t bytes) {
   return out;
 }
 
-void server_handshake(Channel& ch, const std::string& secret) {
-  uint8_t hello[kClientHelloBytes];
-  ch.recv_exact(hello, sizeof(hello), "client hello");
+void ServerHandshake::answer(const std::string& secret, const uint8_t* hello, uint8_t* reply) {
   check_magic(hello, "client");
-  uint8_t reply[kServerHelloBytes];
   std::memcpy(reply, kMagic, sizeof(kMagic));
   put_u32(reply + 8, kProtocolVersion);
   put_u32(reply + 12, 0);
@@ -103,23 +100,24 @@ void server_handshake(Channel& ch, const std::string& secret) {
     // An older (or newer) client learns our version from a hello whose MAC is zero, then we close.
     std::memset(reply + 16, 0, kNonceBytes + kMacBytes);
     try {
-      ch.send_all(reply, sizeof(reply), "server hello");
-    } catch (const std::exception&) {
+      check_version(hello, "client");
+    } catch (const TransferError& e) {
+      throw VersionMismatchError(e.what());
     }
   }
   check_version(hello, "client");
-  const uint8_t* nonce_c = hello + 16;
-  uint8_t* nonce_s = reply + 16;
-  fill_random(nonce_s, kNonceBytes);
-  const Digest256 server_mac = handshake_mac(secret, kServerLabel, nonce_c, nonce_s);
+  std::memcpy(nonce_c_, hello + 16, kNonceBytes);
+  fill_random(nonce_s_, kNonceBytes);
+  std::memcpy(reply + 16, nonce_s_, kNonceBytes);
+  const Digest256 server_mac = handshake_mac(secret, kServerLabel, nonce_c_, nonce_s_);
   std::memcpy(reply + 16 + kNonceBytes, server_mac.data(), kMacBytes);
-  ch.send_all(reply, sizeof(reply), "server hello");
-  uint8_t proof[kMacBytes];
-  ch.recv_exact(proof, sizeof(proof), "client proof");
-  const Digest256 expected = handshake_mac(secret, kClientLabel, nonce_c, nonce_s);
+}
+
+std::unique_ptr<Session> ServerHandshake::finish(const std::string& secret, const uint8_t* proof) const {
+  const Digest256 expected = handshake_mac(secret, kClientLabel, nonce_c_, nonce_s_);
   if (!constant_time_equal(proof, expected.data(), kMacBytes))
     throw TransferAuthError("client failed authentication (wrong job secret)");
-  ch.start_session(std::unique_ptr<Session>(new Session(secret, nonce_c, nonce_s, /*is_client=*/false)));
+  return std::unique_ptr<Session>(new Session(secret, nonce_c_, nonce_s_, /*is_client=*/false));
 }
 
 void client_handshake(Channel& ch, const std::string& secret) {

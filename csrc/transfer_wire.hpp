@@ -288,8 +288,31 @@ inline void set_socket_options(int fd) {
 
 // Authenticates both ends with the job secret (throws TransferAuthError on a wrong one) and
 // starts the channel's session (keys derived from the secret and both nonces).
-void server_handshake(Channel& ch, const std::string& secret);
 void client_handshake(Channel& ch, const std::string& secret);
+
+// A client hello of another protocol version: the reply given to answer() tells the client ours
+// (nonce and MAC zero); send it, then close.
+class VersionMismatchError : public TransferError {
+ public:
+  using TransferError::TransferError;
+};
+
+// The server's side of the handshake in two steps over its fixed-size messages, for a caller that
+// moves the bytes itself (the admission stage's non-blocking state machine, transfer_admission.cpp).
+class ServerHandshake {
+ public:
+  // Takes the client hello (kClientHelloBytes) and writes the server hello (kServerHelloBytes) into
+  // reply. Throws TransferError when the hello is not a flashpoint client hello (bad magic, non-zero
+  // reserved field) and VersionMismatchError (reply filled, see there) for another version.
+  void answer(const std::string& secret, const uint8_t* hello, uint8_t* reply);
+  // Checks the client proof (kMacBytes) in constant time: TransferAuthError on a wrong secret.
+  // Returns the session of the connection (keys derived from the secret and both nonces).
+  std::unique_ptr<Session> finish(const std::string& secret, const uint8_t* proof) const;
+
+ private:
+  uint8_t nonce_c_[kNonceBytes] = {};
+  uint8_t nonce_s_[kNonceBytes] = {};
+};
 
 struct Response {
   uint32_t status = kOk;
