@@ -9,7 +9,8 @@ Lifecycle (collective where noted; every rank calls in the same order):
     service.close()                      # stops the thread and the server; no thread or fd left
 
 `start` agrees on the job secret (see replication.secret: from the environment or a secret
-file, checked by a keyed hash; else rank 0 draws one and broadcasts it; never logged) and exchanges every rank's server address with one all_gather_object. One
+file, checked by a keyed hash; else rank 0 draws one and broadcasts it; never logged) and exchanges every rank's server address with one all_gather_object; each server then admits
+connections only from those addresses and this node's loopback (docs/security.md). One
 background thread per rank pushes this rank's objects of each committed version to the
 same-local-rank server of each target node (see placement). A version is "replicated" on a
 rank once every target acknowledged every object; it is replicated for the job once that
@@ -26,6 +27,7 @@ import socket
 import threading
 import time
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +53,9 @@ def _log_mac_backend_once() -> None:
                  _core.transfer_mac_backend())
 
 HOST_ENV = "FLASHPOINT_REPLICATION_HOST"
+# Always allowed besides the gathered addresses: a process on this node may use the node's own
+# address anyway, and a connection to a local address can leave from loopback.
+LOOPBACK_PEERS = ("127.0.0.1", "::1")
 DEFAULT_CLOSE_WAIT_S = 10.0  # how long close() waits for a push in progress
 
 PENDING = "pending"
@@ -73,6 +78,10 @@ class ReplicationConfig:
     retries: int = 2
     backoff_s: float = 0.2
     max_connections: int = 4
+    # Admit connections only from the ranks' gathered addresses (plus loopback). False: from any
+    # address (only the secret keeps strangers out), e.g. when nodes reach each other through
+    # addresses other than those they bind.
+    restrict_peers: bool = True
     enabled: bool = True
     # Bytes of retired replicas kept as spare files, so received replicas overwrite warm tmpfs
     # pages instead of faulting in fresh ones. None: one version's replicas on this node (what
@@ -149,7 +158,32 @@ def peer_endpoints(base_dir: str | os.PathLike[str], config: ReplicationConfig |
                        dist.get_rank(), type(exc).__name__, exc)
     addresses: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(addresses, address)
-    return PeerEndpoints(server, secret, [tuple(a) if a else None for a in addresses])
+    gathered = [tuple(a) if a else None for a in addresses]
+    if server is not None and config.restrict_peers:
+        try:  # nothing may raise on one rank here: the next collective would wait for it
+            server.allowed_peers = allowed_peer_addresses(a[0] for a in gathered if a)
+        except Exception as exc:  # noqa: BLE001 - the server then keeps admitting any address
+            logger.warning("Rank %d: the replication transfer server admits any address (the allow-list of the "
+                           "job's peers could not be set: %s: %s)", dist.get_rank(), type(exc).__name__, exc)
+    return PeerEndpoints(server, secret, gathered)
+
+
+def allowed_peer_addresses(hosts: Iterable[str]) -> list[str]:
+    """Numeric addresses of the ranks' hosts (names resolved) plus loopback: the transfer server's allow-list.
+
+    A host name that does not resolve here is left out with a warning: its rank cannot connect
+    to this one (its pushes fail and are reported as under-replication), nothing else breaks.
+    """
+    found: list[str] = list(LOOPBACK_PEERS)
+    for host in sorted(set(hosts)):
+        try:
+            infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            logger.warning("Replication peer host %r does not resolve on this node (%s); connections from it are "
+                           "refused", host, exc)
+            continue
+        found += [str(info[4][0]).split("%", 1)[0] for info in infos]
+    return sorted(set(found))
 
 
 _said_off = False
