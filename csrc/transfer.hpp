@@ -8,7 +8,9 @@
 // temporary file next to the destination (a spare file renamed there when a spare directory
 // holds one, so its tmpfs pages are reused), checks length and CRC32C, fsyncs and only then
 // renames it into place. The wire format is described in docs/protocol.md; every length field
-// is bounded and every wait has a timeout.
+// is bounded and every wait has a timeout. Connections are admitted by one thread that checks the
+// peer's address and runs the handshake (transfer_admission.hpp); only authenticated connections
+// reach the worker threads (docs/security.md, "Availability").
 #pragma once
 
 #include <atomic>

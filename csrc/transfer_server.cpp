@@ -162,7 +162,8 @@ void TransferServer::record_error(const std::string& message) { errors_->record(
 bool TransferServer::hand_over(Admitted& admitted) {
   {
     std::lock_guard<std::mutex> lk(queue_mutex_);
-    if (!stopping_ && queue_.size() < static_cast<size_t>(config_.max_pending)) {
+    if (stopping_) return false;  // closed without a word, like every connection at stop()
+    if (queue_.size() < static_cast<size_t>(config_.max_pending)) {
       queue_.emplace_back(new Admitted(std::move(admitted)));
       queue_cv_.notify_one();
       return true;
