@@ -148,12 +148,13 @@ void Admission::unuse(const PeerAddress& address, bool was_handshaking) {
 void Admission::release(const PeerAddress& address) { unuse(address, false); }
 
 void Admission::drop(Handshakes::iterator it, const std::string& why) {
-  ::close(it->fd);  // also leaves the epoll set
-  unuse(it->address, true);
+  const int fd = it->fd;
   log_.record_unauthenticated("peer " + it->peer + ": " + why);
+  unuse(it->address, true);
   by_id_.erase(it->id);
   handshakes_.erase(it);
   counters_.handshaking.store(handshakes_.size());
+  ::close(fd);  // last, so whoever sees the close sees it logged and counted; also leaves the epoll set
 }
 
 Admission::Handshakes::iterator Admission::oldest_of(const PeerAddress& address) {
@@ -179,15 +180,16 @@ void Admission::admit(int epoll_fd, int fd, const sockaddr_storage& ss, Clock::t
   counters_.accepted.fetch_add(1);
   PeerAddress address;
   std::string name;
+  // Counters move before the close: whoever sees the close sees them counted.
   if (!address_of(ss, &address, &name)) {
-    ::close(fd);
     counters_.protocol_failures.fetch_add(1);
+    ::close(fd);
     log_.record_unauthenticated("a connection that is not IPv4 or IPv6 was refused");
     return;
   }
   if (!is_allowed(address)) {
-    ::close(fd);  // before reading or writing a byte
     counters_.rejected_not_allowed.fetch_add(1);
+    ::close(fd);  // before reading or writing a byte
     log_.record_unauthenticated("peer " + name + ": connection refused: " + address_text(address) +
                                 " is not one of the job's peer addresses");
     return;
@@ -199,8 +201,8 @@ void Admission::admit(int epoll_fd, int fd, const sockaddr_storage& ss, Clock::t
     if (f != use_.end() && f->second.open >= limits_.max_per_peer) {
       const Use& u = f->second;
       if (u.handshaking == 0) {
-        ::close(fd);
         counters_.rejected_peer_cap.fetch_add(1);
+        ::close(fd);
         log_.record_unauthenticated("peer " + name + ": connection refused: " + std::to_string(u.open) +
                                     " authenticated connections from " + address_text(address) +
                                     " already (max_connections_per_peer)");

@@ -430,10 +430,12 @@ def test_stop_leaves_no_threads_or_fds(dirs):
     accepted = srv.stats()["accepted"]
     hanging = [socket.create_connection((HOST, srv.port)) for _ in range(5)]  # in the handshake stage
     hanging += [auth_sock(srv) for _ in range(4)]  # authenticated: three busy workers and one queued
-    deadline = time.monotonic() + 10  # until the server has accepted all nine
-    while srv.stats()["accepted"] < accepted + len(hanging) and time.monotonic() < deadline:
+    deadline = time.monotonic() + 10  # until the server has accepted all nine and checked the four proofs
+    while (srv.stats()["accepted"] < accepted + len(hanging) or srv.stats()["handshakes_ok"] < 5) \
+            and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert srv.stats()["accepted"] == accepted + len(hanging)
+    stats = srv.stats()
+    assert stats["accepted"] == accepted + len(hanging) and stats["handshaking"] == 5, stats
     t0 = time.monotonic()
     srv.stop()
     assert time.monotonic() - t0 < 2  # does not wait for the 30 s io timeout
@@ -441,7 +443,7 @@ def test_stop_leaves_no_threads_or_fds(dirs):
     assert not srv.running
     for s in hanging:
         s.settimeout(2)
-        assert s.recv(10) == b""  # the server closed its end
+        assert_closed(s)  # the server closed its end
         s.close()
     assert count_fds() == fds and count_threads() == threads
     errors = srv.errors()
