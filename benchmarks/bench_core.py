@@ -12,7 +12,10 @@ GB/s depend on the machine. This script measures, in one run and on one tmpfs:
 - save_nocrc  the same with checksums off (gives the checksum overhead).
 - save_first  the first save of a new process that pre-faults its pool in the
               background at start (one child process per run).
-- load        load_version into pre-allocated destination tensors, checksums verified.
+- load        load_version into pre-allocated destination tensors, checksums verified; the
+              read method is the default (auto: mapped for huge pages, pread for 4 KiB pages).
+- load_map / load_pread  the same load with FLASHPOINT_READ_METHOD forced, interleaved with
+              load in one series of rounds.
 - load_nocrc  load of a version saved without checksums (gives the load checksum overhead).
 - dcp_save / dcp_load      torch.distributed.checkpoint FileSystemWriter/Reader, same tmpfs.
 - torch_save / torch_load  torch.save / torch.load, same tmpfs.
@@ -20,6 +23,13 @@ GB/s depend on the machine. This script measures, in one run and on one tmpfs:
 The state is a few large tensors (~90% of the bytes) and up to 2000 small ones of
 1-64 KiB in several dtypes, random values from a fixed seed. Every figure is the
 median of --runs runs; gbps counts tensor bytes only (1 GB = 1e9 bytes).
+
+Every row also gives cpu_seconds (the process's CPU time, all threads, median) and
+cpu_ratio_vs_limit (copy_limit's CPU time over the row's, same bytes): on a machine
+shared with other work the wall-clock ratios swing with the neighbours, the CPU-time
+ones much less. copy_limit's row carries the load average at the start and the end
+of the run and the huge= setting of the tmpfs the run writes to (--base-dir: mount a
+tmpfs with huge=within_size to measure huge pages, docs/performance.md).
 
 With --device cuda the state lives on the GPU, and the rows are the staging paths:
 
@@ -40,6 +50,7 @@ import argparse
 import array
 import functools
 import json
+import os
 import random
 import shutil
 import signal
@@ -60,7 +71,9 @@ import torch.distributed.checkpoint as dcp
 
 from ml_flashpoint_nemo import _core
 from ml_flashpoint_nemo.core import CheckpointSaver, load_version
+from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.tuning import default_copy_threads
+from ml_flashpoint_nemo.core.versions import read_commit
 
 SEED = 1234
 GIB = 1 << 30
@@ -77,6 +90,7 @@ MEMCPY_ALIGNMENT = 64
 WARMUP_SAVES = 2
 QUICK_SIZE_GIB = 0.02
 CHILD_FLAG = "--child-save-first"
+READ_METHOD_VARIABLE = "FLASHPOINT_READ_METHOD"
 
 # dcp.save/load warn that they run without a process group, which is the point here.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -163,17 +177,26 @@ class Result:
     samples: list[float]
     nbytes: int
     extra: dict[str, Any] = field(default_factory=dict)
+    cpu_samples: list[float] = field(default_factory=list)  # process CPU seconds of each run
 
     @property
     def gbps(self) -> float:
         return self.nbytes / self.seconds / 1e9
 
-    def as_dict(self, memcpy_gbps: float, limit_gbps: float | None = None) -> dict[str, Any]:
+    @property
+    def cpu_seconds(self) -> float | None:
+        return statistics.median(self.cpu_samples) if self.cpu_samples else None
+
+    def as_dict(self, memcpy_gbps: float, limit: Result | None = None) -> dict[str, Any]:
+        cpu = self.cpu_seconds
+        limit_cpu = limit.cpu_seconds if limit else None
         return {
             "name": self.name,
             "gbps": round(self.gbps, 3),
             "ratio_vs_memcpy": round(self.gbps / memcpy_gbps, 3),
-            **({"ratio_vs_limit": round(self.gbps / limit_gbps, 3)} if limit_gbps else {}),
+            **({"ratio_vs_limit": round(self.gbps / limit.gbps, 3)} if limit else {}),
+            **({"cpu_seconds": round(cpu, 4)} if cpu else {}),
+            **({"cpu_ratio_vs_limit": round(limit_cpu / cpu, 3)} if cpu and limit_cpu else {}),
             "seconds": round(self.seconds, 4),
             "runs": len(self.samples),
             "min_seconds": round(min(self.samples), 4),
@@ -183,40 +206,49 @@ class Result:
         }
 
 
-def timed(action: Callable[[], Any], setup: Callable[[], Any] | None = None) -> Callable[[], float]:
-    """A run that calls setup untimed, then returns the wall-clock seconds of action."""
+Sample = tuple[float, float]  # (wall-clock seconds, process CPU seconds) of one run
 
-    def run_once() -> float:
+
+def timed(action: Callable[[], Any], setup: Callable[[], Any] | None = None) -> Callable[[], Sample]:
+    """A run that calls setup untimed, then returns the wall-clock and CPU seconds of action."""
+
+    def run_once() -> Sample:
         if setup is not None:
             setup()
-        start = time.perf_counter()
+        cpu_start, start = time.process_time(), time.perf_counter()
         result = action()
-        elapsed = time.perf_counter() - start
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         del result  # freeing what the action returned (e.g. loaded tensors) is not part of it
-        return elapsed
+        return elapsed, cpu
 
     return run_once
 
 
-def median_of_runs(name: str, run_once: Callable[[], float], runs: int, nbytes: int, **extra: Any) -> Result:
+def median_of_runs(name: str, run_once: Callable[[], Sample], runs: int, nbytes: int, **extra: Any) -> Result:
     samples = [run_once() for _ in range(runs)]
-    return _reported(Result(name, statistics.median(samples), samples, nbytes, extra))
+    return _reported(_result(name, samples, nbytes, extra))
 
 
-def medians_interleaved(runs: int, nbytes: int, **run_once: Callable[[], float]) -> list[Result]:
+def medians_interleaved(runs: int, nbytes: int, **run_once: Callable[[], Sample]) -> list[Result]:
     """Each run_once `runs` times, in rounds that run every one once (first one first, then rotated),
     so that a slow spell of the machine lands on all of them alike; one Result each, in the order given."""
     names = list(run_once)
-    samples: dict[str, list[float]] = {name: [] for name in names}
+    samples: dict[str, list[Sample]] = {name: [] for name in names}
     for round_ in range(runs):
         shift = round_ % len(names)
         for name in names[shift:] + names[:shift]:
             samples[name].append(run_once[name]())
-    return [_reported(Result(name, statistics.median(samples[name]), samples[name], nbytes)) for name in names]
+    return [_reported(_result(name, samples[name], nbytes, {})) for name in names]
+
+
+def _result(name: str, samples: list[Sample], nbytes: int, extra: dict[str, Any]) -> Result:
+    walls = [wall for wall, _ in samples]
+    return Result(name, statistics.median(walls), walls, nbytes, extra, [cpu for _, cpu in samples])
 
 
 def _reported(result: Result) -> Result:
-    print(f"  {result.name}: {result.seconds:.4f} s, {result.gbps:.2f} GB/s", file=sys.stderr, flush=True)
+    cpu = f", cpu {result.cpu_seconds:.4f} s" if result.cpu_seconds else ""
+    print(f"  {result.name}: {result.seconds:.4f} s, {result.gbps:.2f} GB/s{cpu}", file=sys.stderr, flush=True)
     return result
 
 
@@ -272,7 +304,7 @@ def bench_memcpy(bench: Bench) -> list[Result]:
         plain, streaming = medians_interleaved(bench.runs, bench.nbytes, plain=timed(copy(bench.threads, False)),
                                                streaming=timed(copy(bench.threads, True)))
         best = min((plain, streaming), key=lambda r: r.seconds)
-        limit = Result("copy_limit", best.seconds, best.samples, bench.nbytes, {
+        limit = Result("copy_limit", best.seconds, best.samples, bench.nbytes, cpu_samples=best.cpu_samples, extra={
             "threads": bench.threads, "stores": "non-temporal" if best is streaming else "plain memcpy",
             "plain_gbps": round(plain.gbps, 3), "non_temporal_gbps": round(streaming.gbps, 3),
             "note": "the copy spread over the save's threads, the faster kind of stores (the machine's limit)",
@@ -283,8 +315,11 @@ def bench_memcpy(bench: Bench) -> list[Result]:
         path.unlink(missing_ok=True)
 
 
-def bench_save_and_load(bench: Bench, dest: State, *, checksum: bool) -> tuple[Result, Result]:
-    """Steady-state saves into warm pool buffers, then loads of the last one into `dest`."""
+def bench_save_and_load(bench: Bench, dest: State, *, checksum: bool) -> tuple[Result, list[Result]]:
+    """Steady-state saves into warm pool buffers, then loads of the last one into `dest`.
+
+    With checksums, the default load is interleaved with loads forced to each read method.
+    """
     suffix = "" if checksum else "_nocrc"
     base = bench.fresh_dir(f"save{suffix}")
     steps = count()
@@ -301,15 +336,48 @@ def bench_save_and_load(bench: Bench, dest: State, *, checksum: bool) -> tuple[R
                 threads=bench.threads, checksum=checksum, warmup_saves=WARMUP_SAVES,
             )
             last_step = next(steps) - 1
-            load = functools.partial(load_version, base, last_step, into=dest, threads=bench.threads)
-            loaded = median_of_runs(
-                f"load{suffix}", timed(load, setup=lambda: zero_(dest)), bench.runs, bench.nbytes,
-                threads=bench.threads, checksum=checksum, destination="pre-allocated, touched tensors",
-            )
+            methods = {f"load{suffix}": None}
+            if checksum:
+                methods.update(load_map="map", load_pread="pread")
+            loads = medians_interleaved(bench.runs, bench.nbytes, **{
+                name: timed(functools.partial(_load_with, method, base, last_step, dest, bench.threads),
+                            setup=lambda: zero_(dest))
+                for name, method in methods.items()
+            })
+            picked = _read_method_picked(base, last_step)
+            for loaded, method in zip(loads, methods.values()):
+                loaded.extra.update(threads=bench.threads, checksum=checksum, read_method=method or f"auto ({picked})",
+                                    destination="pre-allocated, touched tensors")
             check_equal(dest, bench.state, f"load{suffix}")
-        return saved, loaded
+        return saved, loads
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def _load_with(method: str | None, base: Path, step: int, dest: State, threads: int) -> None:
+    """load_version with FLASHPOINT_READ_METHOD set to method (None: as the environment has it)."""
+    saved = os.environ.get(READ_METHOD_VARIABLE)
+    if method is not None:
+        os.environ[READ_METHOD_VARIABLE] = method
+    try:
+        load_version(base, step, into=dest, threads=threads)
+    finally:
+        if method is not None:
+            if saved is None:
+                os.environ.pop(READ_METHOD_VARIABLE, None)
+            else:
+                os.environ[READ_METHOD_VARIABLE] = saved
+
+
+def _read_method_picked(base: Path, step: int) -> str:
+    """What read method auto picks for the (one) object of version `step`."""
+    (record,) = read_commit(CheckpointLayout(base), step).objects
+    path = CheckpointLayout(base).object_path(step, record.name)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return _core.read_method_for(fd, 0, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
 
 
 def bench_dcp(bench: Bench, dest: State) -> tuple[Result, Result]:
@@ -357,14 +425,14 @@ def bench_save_first(bench_dir: Path, size_gib: float, runs: int, threads: int, 
     """One fresh process per run; each pre-faults its pool at start and times its first save."""
     reports: list[dict[str, Any]] = []
 
-    def run_once() -> float:
+    def run_once() -> Sample:
         base = bench_dir / "save_first"
         shutil.rmtree(base, ignore_errors=True)
         try:
             reports.append(_run_child(base, size_gib, threads))
         finally:
             shutil.rmtree(base, ignore_errors=True)
-        return reports[-1]["seconds"]
+        return reports[-1]["seconds"], reports[-1]["cpu_seconds"]
 
     result = median_of_runs("save_first", run_once, runs, nbytes, threads=threads, checksum=True)
     result.extra.update(
@@ -407,11 +475,12 @@ def child_save_first(base: Path, size_gib: float, threads: int) -> None:
         warmup.result()
         warmup_done.wait()
         waited = time.perf_counter() - wait_start
-        start = time.perf_counter()
+        cpu_start, start = time.process_time(), time.perf_counter()
         result = saver.save(0, state)
-        seconds = time.perf_counter() - start
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     print(json.dumps({
         "seconds": seconds,
+        "cpu_seconds": cpu_seconds,
         "warmup_seconds": finished_at[0] - warmup_start,
         "warmup_wait_seconds": waited,
         "warmup_nbytes": nbytes,
@@ -428,19 +497,42 @@ def run_all(args: argparse.Namespace, workdir: Path) -> list[Result]:
     print(f"state: {len(specs)} tensors, {nbytes / 1e9:.3f} GB; {args.runs} runs each; "
           f"{args.threads} threads; in {workdir}", file=sys.stderr, flush=True)
     # First, while this process holds no state, so the children have the memory to themselves.
+    load_start = os.getloadavg()
     results = [bench_save_first(workdir, args.size_gib, args.runs, args.threads, nbytes)]
     bench = Bench(build_state(specs), workdir, args.runs, args.threads)
     dest = {key: torch.zeros_like(tensor) for key, tensor in bench.state.items()}
     results[:0] = bench_memcpy(bench)
-    save_warm, load = bench_save_and_load(bench, dest, checksum=True)
-    save_nocrc, load_nocrc = bench_save_and_load(bench, dest, checksum=False)
+    save_warm, loads = bench_save_and_load(bench, dest, checksum=True)
+    save_nocrc, (load_nocrc,) = bench_save_and_load(bench, dest, checksum=False)
     save_warm.extra["checksum_overhead"] = round(save_warm.seconds / save_nocrc.seconds - 1, 4)
-    load.extra["checksum_overhead"] = round(load.seconds / load_nocrc.seconds - 1, 4)
-    results += [save_warm, save_nocrc, load, load_nocrc]
+    loads[0].extra["checksum_overhead"] = round(loads[0].seconds / load_nocrc.seconds - 1, 4)
+    results += [save_warm, save_nocrc, *loads, load_nocrc]
     results += bench_dcp(bench, dest)
     del dest  # torch.load allocates its own tensors
     results += bench_torch(bench)
+    limit = next(r for r in results if r.name == "copy_limit")
+    limit.extra.update(loadavg_start=[round(x, 2) for x in load_start], loadavg_end=[round(x, 2) for x in os.getloadavg()],
+                       tmpfs_huge=tmpfs_huge_setting(workdir), cpus=len(os.sched_getaffinity(0)))
     return results
+
+
+def tmpfs_huge_setting(path: Path) -> str:
+    """The huge= option of the tmpfs holding path ("never" when not given), or "not tmpfs"."""
+    best: tuple[int, str, str] = (-1, "", "")
+    resolved = str(path.resolve())
+    with open("/proc/self/mounts") as mounts:
+        for line in mounts:
+            fields = line.split()
+            if len(fields) < 4:
+                continue
+            mount_point, fstype, options = fields[1], fields[2], fields[3]
+            inside = resolved == mount_point or resolved.startswith(mount_point.rstrip("/") + "/")
+            if inside and len(mount_point) > best[0]:
+                best = (len(mount_point), fstype, options)
+    if best[1] != "tmpfs":
+        return "not tmpfs"
+    huge = [option.split("=", 1)[1] for option in best[2].split(",") if option.startswith("huge=")]
+    return huge[0] if huge else "never"
 
 
 def run_cuda(args: argparse.Namespace, workdir: Path) -> list[Result]:
@@ -492,17 +584,18 @@ def print_results(results: list[Result], as_json: bool) -> None:
     names = {r.name: r for r in results}
     reference = names.get("memcpy") or names["d2h_pinned"]
     limit = names.get("copy_limit")
-    rows = [r.as_dict(reference.gbps, limit.gbps if limit else None) for r in results]
+    rows = [r.as_dict(reference.gbps, limit) for r in results]
     if as_json:
         for row in rows:
             print(json.dumps(row))
         return
-    print(f"{'name':<12} {'GB/s':>8} {'x memcpy':>9} {'x limit':>8} {'median s':>9} {'runs':>5}  notes"
+    print(f"{'name':<12} {'GB/s':>8} {'x memcpy':>9} {'x limit':>8} {'cpu x limit':>12} {'median s':>9} {'runs':>5}  notes"
           if limit else f"{'name':<12} {'GB/s':>8} {'x ' + reference.name:>12} {'median s':>9} {'runs':>5}  notes")
     for row, result in zip(rows, results):
         notes = ", ".join(f"{k}={v}" for k, v in result.extra.items() if k != "note")
-        ratio = f"{row['ratio_vs_memcpy']:>9.2f} {row['ratio_vs_limit']:>8.2f}" if limit else \
-            f"{row['ratio_vs_memcpy']:>12.2f}"
+        cpu_ratio = row.get("cpu_ratio_vs_limit")
+        ratio = f"{row['ratio_vs_memcpy']:>9.2f} {row['ratio_vs_limit']:>8.2f} " + \
+            (f"{cpu_ratio:>12.2f}" if cpu_ratio else f"{'-':>12}") if limit else f"{row['ratio_vs_memcpy']:>12.2f}"
         print(f"{row['name']:<12} {row['gbps']:>8.2f} {ratio} {row['seconds']:>9.4f} {row['runs']:>5}  {notes}")
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import faulthandler
 import hashlib
+import inspect
 import json
 import logging
 import multiprocessing
@@ -197,9 +198,14 @@ def wrap(owner: Any, name: str, fault: dict[str, Any], action: Callable[[], None
     setattr(owner, name, wrapped)
 
 
-def push_step(service: Any, address: Any, step: int, *rest: Any) -> int:
-    """The step of a ReplicationService._push_object(address, step, record) call."""
-    return step
+def step_argument_of(method: Callable[..., Any]) -> Callable[..., int]:
+    """step_of for wrap(): the value of method's parameter named "step" in a call's arguments.
+
+    Bound by name, not position (and to the method's signature taken before wrap() replaces it), so
+    that a change of the signature breaks this loudly instead of silently never firing the fault.
+    """
+    signature = inspect.signature(method)
+    return lambda *args: int(signature.bind(*args).arguments["step"])
 
 
 def install_fault(fault: dict[str, Any], p: dict[str, Any], peer_pids: list[int]) -> None:
@@ -209,6 +215,7 @@ def install_fault(fault: dict[str, Any], p: dict[str, Any], peer_pids: list[int]
     from ml_flashpoint_nemo.replication.service import ReplicationService
 
     kind = fault["kind"]
+    push_step = step_argument_of(ReplicationService._push_object)
     if kind == "kill_stage":
         wrap(strategies._StagingWriter, "_stage", fault)
     elif kind == "kill_write" and p["worker"] == "fork":

@@ -13,6 +13,7 @@
 #include "copy_engine.hpp"
 #include "crc32c.hpp"
 #include "errors.hpp"
+#include "file_reads.hpp"
 #include "shm_buffer.hpp"
 #include "bindings_common.hpp"
 
@@ -202,23 +203,35 @@ PYBIND11_MODULE(_core, m) {
       "streaming=False uses plain memcpy (the benchmarks' reference) instead of non-temporal stores.");
   m.def(
       "read_file_into",
-      [](int fd, const py::buffer& ops, bool checksum, int threads) {
+      [](int fd, const py::buffer& ops, bool checksum, int threads, const std::string& method) {
         auto parsed = ops_from_buffer<FileToMemOp, 4>(ops);
+        const ReadMethod how = read_method_from_name(method);
         py::gil_scoped_release release;
-        return read_file_into(fd, parsed, checksum, threads);
+        return read_file_into(fd, parsed, checksum, threads, how);
       },
-      py::arg("fd"), py::arg("ops"), py::arg("checksum") = true, py::arg("threads") = 1,
-      "pread (file_offset, dst_address, nbytes, dst_capacity) rows straight into memory; returns one CRC32C\n"
-      "per op. A row whose nbytes exceeds dst_capacity (the destination's own size) raises IndexError\n"
-      "before any byte is read.");
+      py::arg("fd"), py::arg("ops"), py::arg("checksum") = true, py::arg("threads") = 1, py::arg("method") = "auto",
+      "Copy (file_offset, dst_address, nbytes, dst_capacity) rows of a file straight into memory; returns one\n"
+      "CRC32C per op. A row whose nbytes exceeds dst_capacity (the destination's own size) raises IndexError\n"
+      "before any byte is read; a file shorter than a row, or one truncated during the read, raises\n"
+      "ShortReadError. method: 'auto' (maps files whose pages are huge, preads others), 'map' or 'pread'.");
   m.def(
       "checksum_file_ranges",
-      [](int fd, const py::buffer& ops, int threads) {
+      [](int fd, const py::buffer& ops, int threads, const std::string& method) {
         auto parsed = ops_from_buffer<RangeOp, 2>(ops);
+        const ReadMethod how = read_method_from_name(method);
         py::gil_scoped_release release;
-        return checksum_file_ranges(fd, parsed, threads);
+        return checksum_file_ranges(fd, parsed, threads, how);
       },
-      py::arg("fd"), py::arg("ops"), py::arg("threads") = 1, "CRC32C of (offset, nbytes) ranges of a file.");
+      py::arg("fd"), py::arg("ops"), py::arg("threads") = 1, py::arg("method") = "auto",
+      "CRC32C of (offset, nbytes) ranges of a file; method as for read_file_into.");
+  m.def(
+      "read_method_for",
+      [](int fd, uint64_t offset, uint64_t nbytes) {
+        py::gil_scoped_release release;
+        return std::string(read_method_name(choose_read_method(fd, offset, nbytes)));
+      },
+      py::arg("fd"), py::arg("offset"), py::arg("nbytes"),
+      "'map' or 'pread': what method='auto' picks for reading [offset, +nbytes) of fd.");
   m.def(
       "checksum_buffer_ranges",
       [](ShmBuffer& buffer, const py::buffer& ops, int threads) {

@@ -452,7 +452,9 @@ uint32_t crc32c_using(const std::string& name, const void* data, size_t n, uint3
 
 namespace {
 
-constexpr size_t kStreamMin = size_t(256) << 10;  // below this, cached stores are as fast and keep data hot
+// Below this, cached stores are as fast (measured: from 16 KiB up, non-temporal stores into a
+// destination that is not in the cache were 13-20% faster, 4-16 KiB even, 1-4 KiB 10% slower).
+constexpr size_t kStreamMin = size_t(16) << 10;
 
 #if FLASHPOINT_X86
 bool can_stream() {

@@ -10,13 +10,7 @@
 #include <mutex>
 
 #include "errors.hpp"
-
-#ifndef MADV_POPULATE_READ
-#define MADV_POPULATE_READ 22
-#endif
-#ifndef MADV_POPULATE_WRITE
-#define MADV_POPULATE_WRITE 23
-#endif
+#include "mappings.hpp"
 
 namespace flashpoint {
 
@@ -40,10 +34,26 @@ void reserve_space(int fd, size_t size, const std::string& path) {
 }
 
 uint8_t* map_file(int fd, size_t size, bool writable, const std::string& path) {
-  const int prot = writable ? (PROT_READ | PROT_WRITE) : PROT_READ;
-  void* p = ::mmap(nullptr, size, prot, MAP_SHARED, fd, 0);
-  if (p == MAP_FAILED) throw OsError(errno, "cannot map " + path, path);
-  return static_cast<uint8_t*>(p);
+  uint8_t* p = map_file_aligned(fd, size, writable ? (PROT_READ | PROT_WRITE) : PROT_READ);
+  if (p == nullptr) throw OsError(errno, "cannot map " + path, path);
+  return p;
+}
+
+// On a tmpfs that hands out huge pages only when asked (huge=advise), pages are huge only if
+// the first touch comes through a mapping that asked (map_file_aligned does): posix_fallocate
+// alone would allocate 4 KiB pages. So a new file's first 2 MiB are populated through the
+// mapping; if that took one fault the pages are huge and the whole buffer is populated now (for
+// huge pages that costs little more than the zeroing the first write would do anyway). Otherwise
+// the probe's page-table entries are dropped (the pages stay in the file) and the buffer is
+// left to be pre-faulted later, as on any 4 KiB-page tmpfs.
+void populate_if_huge(uint8_t* data, size_t size) {
+  if (size < kHugePageBytes) return;
+  const long faults = populate_counting_faults(data, kHugePageBytes, true);
+  if (faults >= 0 && faults <= 2) {
+    ::madvise(data, size, kMadvPopulateWrite);  // best effort: posix_fallocate reports ENOSPC next
+  } else {
+    ::madvise(data, kHugePageBytes, MADV_DONTNEED);
+  }
 }
 
 // Touches one byte per page; the fallback when MADV_POPULATE_* is missing.
@@ -79,11 +89,17 @@ std::unique_ptr<ShmBuffer> ShmBuffer::create(const std::string& path, size_t siz
   const size_t rounded = round_up_to_page(size);
   int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
   if (fd < 0) throw OsError(errno, "cannot create " + path, path);
+  uint8_t* data = nullptr;
   try {
+    // Sized first and mapped before any page exists, so that huge=advise gives huge pages; the
+    // space is still reserved before the buffer is handed out (no page is ever left unbacked).
+    if (::ftruncate(fd, static_cast<off_t>(rounded)) != 0) throw OsError(errno, "cannot size " + path, path);
+    data = map_file(fd, rounded, true, path);
+    populate_if_huge(data, rounded);
     reserve_space(fd, rounded, path);
-    uint8_t* data = map_file(fd, rounded, true, path);
     return std::unique_ptr<ShmBuffer>(new ShmBuffer(path, fd, data, rounded, true));
   } catch (...) {
+    if (data != nullptr) ::munmap(data, rounded);
     ::close(fd);
     ::unlink(path.c_str());  // nothing half-made stays behind
     throw;
@@ -124,9 +140,9 @@ void ShmBuffer::grow(size_t new_size) {
   if (exports_.load() > 0)
     throw BufferBusyError("buffer " + path_ + " cannot grow while views of it exist; release them first");
   reserve_space(fd_, rounded, path_);
-  void* p = ::mremap(data_, size_, rounded, MREMAP_MAYMOVE);
-  if (p == MAP_FAILED) throw OsError(errno, "cannot remap " + path_, path_);
-  data_ = static_cast<uint8_t*>(p);
+  uint8_t* p = remap_file_aligned(data_, size_, rounded);
+  if (p == nullptr) throw OsError(errno, "cannot remap " + path_, path_);
+  data_ = p;
   size_ = rounded;
 }
 
@@ -138,7 +154,7 @@ void ShmBuffer::prefault(size_t offset, size_t length) {
   const size_t page = page_size();
   size_t begin = offset / page * page;
   const size_t end = offset + length;
-  const int advice = writable_ ? MADV_POPULATE_WRITE : MADV_POPULATE_READ;
+  const int advice = writable_ ? kMadvPopulateWrite : kMadvPopulateRead;
   bool madvise_works = true;
   while (begin < end && !closing_.load(std::memory_order_relaxed)) {
     const size_t chunk = std::min(kPrefaultChunk, end - begin);

@@ -1,10 +1,13 @@
 // A file on a tmpfs mapped MAP_SHARED into this process.
 //
-// Space is reserved with posix_fallocate before the file is mapped, so a full
-// tmpfs is reported as ENOSPC when the buffer is created or grown, never as a
-// SIGBUS when a page is first written. Operations that touch the mapping hold a
-// shared lock; close() and grow() take it exclusively, so a background
-// prefault can never run on an unmapped range.
+// Space is reserved with posix_fallocate before a buffer is handed out, so a
+// full tmpfs is reported as ENOSPC when the buffer is created or grown, never as
+// a SIGBUS when a page is first written. Mappings start on a 2 MiB boundary and
+// ask for huge pages (mappings.hpp): where the tmpfs gives them, a buffer is
+// populated with far fewer faults and a later mapping of it, e.g. a load after a
+// restart, fills its page tables almost for free. Operations that touch the
+// mapping hold a shared lock; close() and grow() take it exclusively, so a
+// background prefault can never run on an unmapped range.
 #pragma once
 
 #include <atomic>
@@ -18,7 +21,9 @@ namespace flashpoint {
 
 class ShmBuffer {
  public:
-  // Creates a new file (fails if it exists) of at least `size` bytes.
+  // Creates a new file (fails if it exists) of at least `size` bytes. On a tmpfs that gives this
+  // mapping huge pages, they are populated now (cheap for huge pages); otherwise, pages are only
+  // reserved and prefault() maps them in later.
   static std::unique_ptr<ShmBuffer> create(const std::string& path, size_t size);
   // Maps an existing file; its current size is the buffer size.
   static std::unique_ptr<ShmBuffer> open(const std::string& path, bool writable);

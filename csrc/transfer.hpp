@@ -1,9 +1,11 @@
 // TCP transfer service for checkpoint objects: the transport layer of replication.
 //
 // A TransferServer serves one base directory (a job's RAM checkpoint root on tmpfs). Peers
-// authenticate each other with a job-scoped secret (HMAC-SHA256 over fresh nonces from both
-// sides), then PUSH an object to the server or FETCH one from it. Objects are addressed by
-// their path relative to the base directory; both ends confine every path to their own base
+// authenticate each other as ranks of the job (HMAC-SHA256 over fresh nonces from both sides,
+// keyed per rank from a job-scoped secret), then PUSH an object to the server or FETCH one
+// from it. Objects are addressed by their path relative to the base directory; a server with a
+// TransferPolicy lets each rank push and fetch only what the replication placement and the
+// checkpoint layout allow (transfer_policy.hpp). Both ends confine every path to their own base
 // directory (component-wise openat with O_NOFOLLOW). The receiver writes into a hidden
 // temporary file next to the destination (a spare file renamed there when a spare directory
 // holds one, so its tmpfs pages are reused), checks length and CRC32C, fsyncs and only then
@@ -29,6 +31,9 @@
 namespace flashpoint {
 
 class WarmMappingCache;  // transfer_warm.hpp: mappings of received files, reused by later receptions
+class SpaceLedger;       // transfer_space.hpp: space reserved by receptions in flight
+class TransferPolicy;    // transfer_policy.hpp: who may push and fetch what
+class ExpectedSizes;     // transfer_policy.hpp: object sizes from this node's commit records
 namespace xfer {
 class Channel;    // transfer_wire.hpp: one connection with bounded waits
 class Admission;  // transfer_admission.hpp: accept, allow-list, per-address cap, handshakes
@@ -75,6 +80,19 @@ class TransferNotFoundError : public TransferRefusedError {
  public:
   using TransferRefusedError::TransferRefusedError;
 };
+// The serving peer's policy does not let this rank push or fetch that path (not the objects the
+// replication placement sends there, not a name of the checkpoint layout, ...). Never retried.
+// Python: also PermissionError.
+class TransferForbiddenError : public TransferRefusedError {
+ public:
+  using TransferRefusedError::TransferRefusedError;
+};
+// The receiver has no room for the object: its free space minus what receptions in flight
+// reserved and the margin it keeps for its own saves is smaller. Nothing was stored.
+class TransferNoSpaceError : public TransferRefusedError {
+ public:
+  using TransferRefusedError::TransferRefusedError;
+};
 // A relative object path was refused (absolute, '..', empty component, NUL, too long, or it
 // resolves through a symlink / non-directory). Python: also ValueError.
 class TransferPathError : public TransferRefusedError {
@@ -87,6 +105,7 @@ class TransferPathError : public TransferRefusedError {
 constexpr size_t kTransferMaxPathBytes = 4096;
 constexpr uint64_t kTransferDefaultMaxObjectBytes = uint64_t(64) << 30;  // 64 GiB
 constexpr size_t kTransferMinSecretBytes = 16;
+constexpr double kTransferDefaultMinRate = 1024.0 * 1024.0;  // bytes/s a transfer keeps up after its grace
 
 // Checks a relative object path and returns its components; throws TransferPathError naming it.
 std::vector<std::string> split_relative_path(const std::string& path);
@@ -98,13 +117,19 @@ struct TransferOptions {
   double io_timeout_s = 30.0;       // the handshake as a whole, then every wait for progress
   int retries = 3;                  // extra attempts after the first, for retryable failures
   double backoff_s = 0.2;           // sleep before retry i is backoff_s * 2**i
-  bool zero_copy = true;            // sendfile() from the source file (else pread + send)
+  bool zero_copy = false;           // sendfile() from the source file (else send from the buffer read for the tag)
   uint64_t max_object_bytes = kTransferDefaultMaxObjectBytes;  // fetch refuses bigger objects
   // Push: the CRC32C of the bytes being sent is known (from the object's index), so the sender
   // only sendfile()s them and sends this CRC; the receiver still checks the bytes against it.
   bool has_known_crc = false;
   uint32_t known_crc = 0;
   std::string spare_dir;  // fetch: spare files to receive into, relative to the local base dir
+  uint32_t rank = 0;       // the rank this side proves in the handshake
+  uint32_t peer_rank = 0;  // the rank the server must prove (the one the caller means to reach)
+  // Once the data flows, the transfer must average at least min_rate_bytes_per_s after its
+  // first rate_grace_s seconds (negative: io_timeout_s), else TransferTimeoutError. 0: no floor.
+  double min_rate_bytes_per_s = kTransferDefaultMinRate;
+  double rate_grace_s = -1;
 };
 
 struct TransferResult {
@@ -153,6 +178,14 @@ struct TransferServerConfig {
   // Directory (relative to base_dir) of spare files: retired replicas whose tmpfs pages a push
   // overwrites instead of allocating fresh ones. Empty: none. Missing: none for now.
   std::string spare_dir;
+  uint32_t rank = 0;  // the rank this server proves in the handshake
+  // Who may push and fetch what; null: any authenticated rank any confined path (transport
+  // tests and benchmarks only: the replication service always gives one).
+  std::shared_ptr<const TransferPolicy> policy;
+  double min_rate_bytes_per_s = kTransferDefaultMinRate;  // as TransferOptions
+  double rate_grace_s = -1;                              // negative: io_timeout_s
+  // Bytes a reception must leave free for this node's own saves; negative: 1/32 of the file system.
+  int64_t space_margin_bytes = -1;
 };
 
 class TransferServer {
@@ -171,6 +204,9 @@ class TransferServer {
   // Errors about connections that did not authenticate are rate-limited (transfer_error_log.hpp).
   std::vector<std::string> take_errors();
   std::map<std::string, uint64_t> stats() const;
+  // Object sizes this node's commit record of step lists (relative path -> bytes): a push of one
+  // of them must announce exactly that size, and a push into step of another path is refused.
+  void expect_sizes(uint64_t step, std::map<std::string, uint64_t> sizes);
   // Replaces the allow-list for connections accepted from now on (std::invalid_argument naming an
   // address that is not numeric; nothing changes then). any: every address may connect.
   void set_allowed_peers(bool any, const std::vector<std::string>& addresses);
@@ -179,12 +215,14 @@ class TransferServer {
 
  private:
   void worker_loop();
-  // One authenticated connection being served: its channel, socket, peer and "push of 'path'".
+  // One authenticated connection being served: its channel, socket, peer, "push of 'path'" and
+  // the rank the peer proved.
   struct Connection {
     xfer::Channel& ch;
     int fd;
     const std::string& peer;
     std::string what;
+    uint32_t rank;
   };
   void handle(int fd, xfer::Admitted& admitted);
   void handle_push(const Connection& c, const std::string& path, uint64_t size);
@@ -192,6 +230,7 @@ class TransferServer {
   void refuse(const Connection& c, uint32_t status, const std::string& message);
   void record_error(const std::string& message);
   bool hand_over(xfer::Admitted& admitted);
+  void start_rate_floor(xfer::Channel& ch) const;
 
   TransferServerConfig config_;
   int base_fd_ = -1;
@@ -211,10 +250,12 @@ class TransferServer {
   std::thread accept_thread_;  // runs admission_
   std::vector<std::thread> workers_;
   std::unique_ptr<WarmMappingCache> mappings_;
+  std::unique_ptr<SpaceLedger> space_;
+  std::unique_ptr<ExpectedSizes> expected_;
 
   std::atomic<uint64_t> rejected_busy_{0}, protocol_failures_{0}, integrity_failures_{0},
       pushes_ok_{0}, fetches_ok_{0}, transfer_failures_{0}, bytes_received_{0}, bytes_sent_{0}, spares_taken_{0},
-      mappings_reused_{0}, temp_files_swept_{0};
+      mappings_reused_{0}, temp_files_swept_{0}, forbidden_{0}, no_space_{0}, too_slow_{0};
 };
 
 }  // namespace flashpoint

@@ -108,9 +108,15 @@ struct Admission::Handshake {
   ServerHandshake hs;
 };
 
-Admission::Admission(int listen_fd, int stop_fd, const std::string& secret, const AdmissionLimits& limits,
-                     ErrorLog& log)
-    : listen_fd_(listen_fd), stop_fd_(stop_fd), secret_(secret), limits_(limits), log_(log) {}
+Admission::Admission(int listen_fd, int stop_fd, const std::string& secret, uint32_t server_rank, uint32_t rank_limit,
+                     const AdmissionLimits& limits, ErrorLog& log)
+    : listen_fd_(listen_fd),
+      stop_fd_(stop_fd),
+      secret_(secret),
+      server_rank_(server_rank),
+      rank_limit_(rank_limit),
+      limits_(limits),
+      log_(log) {}
 
 Admission::~Admission() {
   for (Handshake& h : handshakes_) ::close(h.fd);
@@ -317,7 +323,7 @@ void Admission::progress(int epoll_fd, Handshakes::iterator it, const std::funct
 
     if (hello) {
       try {
-        h.hs.answer(secret_, h.in, h.out);
+        h.hs.answer(secret_, server_rank_, h.in, h.out);
         h.phase = Handshake::kReply;
       } catch (const VersionMismatchError& e) {
         h.phase = Handshake::kRefuse;
@@ -333,7 +339,8 @@ void Admission::progress(int epoll_fd, Handshakes::iterator it, const std::funct
 
     Admitted admitted;
     try {
-      admitted.session = h.hs.finish(secret_, h.in);
+      admitted.session = h.hs.finish(secret_, rank_limit_, h.in);
+      admitted.rank = h.hs.client_rank();
     } catch (const TransferAuthError& e) {
       counters_.auth_failures.fetch_add(1);
       drop(it, e.what());

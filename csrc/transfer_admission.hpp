@@ -57,18 +57,22 @@ struct AdmissionCounters {
       handshake_timeouts{0}, handshakes_ok{0}, auth_failures{0}, protocol_failures{0}, handshaking{0};
 };
 
-// An authenticated connection, handed to a worker.
+// An authenticated connection, handed to a worker: the rank the client proved and the session
+// keyed by both ranks travel with the socket, so the worker authorizes every request by that rank.
 struct Admitted {
   int fd = -1;
   PeerAddress address;
   std::string peer;  // "host:port", for messages
+  uint32_t rank = 0;  // the client's rank, authenticated by its proof
   std::unique_ptr<Session> session;
 };
 
 class Admission {
  public:
-  // listen_fd and stop_fd stay owned by the caller; secret and log must outlive this object.
-  Admission(int listen_fd, int stop_fd, const std::string& secret, const AdmissionLimits& limits, ErrorLog& log);
+  // listen_fd and stop_fd stay owned by the caller; secret and log must outlive this object. The
+  // handshakes prove server_rank and admit clients that prove a rank below rank_limit (0: any rank).
+  Admission(int listen_fd, int stop_fd, const std::string& secret, uint32_t server_rank, uint32_t rank_limit,
+            const AdmissionLimits& limits, ErrorLog& log);
   ~Admission();
   Admission(const Admission&) = delete;
   Admission& operator=(const Admission&) = delete;
@@ -108,6 +112,8 @@ class Admission {
   const int listen_fd_;
   const int stop_fd_;
   const std::string& secret_;
+  const uint32_t server_rank_;
+  const uint32_t rank_limit_;
   const AdmissionLimits limits_;
   ErrorLog& log_;
   AdmissionCounters counters_;

@@ -6,9 +6,11 @@
 #include <vector>
 
 #include "bindings_common.hpp"
+#include "gmac.hpp"
 #include "sha256.hpp"
 #include "transfer.hpp"
 #include "transfer_mac.hpp"
+#include "transfer_policy.hpp"
 
 namespace flashpoint {
 namespace bindings {
@@ -50,6 +52,22 @@ std::string fspath(const py::object& path) {
 std::string buffer_bytes(const py::buffer& data) {
   py::buffer_info info = request_readable(data);
   return std::string(static_cast<const char*>(info.ptr), static_cast<size_t>(info.size * info.itemsize));
+}
+
+// The peer-facing options every client call takes: ranks and the minimum rate.
+struct PeerArgs {
+  uint32_t rank;
+  uint32_t peer_rank;
+  double min_rate_bytes_per_s;
+  py::object rate_grace_s;
+};
+
+void set_peer_args(TransferOptions& o, const PeerArgs& a) {
+  o.rank = a.rank;
+  o.peer_rank = a.peer_rank;
+  o.min_rate_bytes_per_s = a.min_rate_bytes_per_s;
+  o.rate_grace_s = a.rate_grace_s.is_none() ? -1.0 : a.rate_grace_s.cast<double>();
+  if (!a.rate_grace_s.is_none() && !(o.rate_grace_s >= 0)) throw std::invalid_argument("rate_grace_s must be >= 0 or None");
 }
 
 TransferOptions transfer_options(double connect_timeout_s, double io_timeout_s, int retries, double backoff_s,
@@ -125,6 +143,14 @@ void register_transfer(py::module_& m) {
   refused.doc() = "The peer refused the request (too large, I/O error on its side, ...). Never retried.";
   py::register_exception<TransferNotFoundError>(m, "TransferNotFoundError", refused).doc() =
       "The requested object does not exist on the serving peer.";
+  py::tuple forbidden_bases = py::make_tuple(refused, py::handle(PyExc_PermissionError));
+  py::register_exception<TransferForbiddenError>(m, "TransferForbiddenError", forbidden_bases).doc() =
+      "The serving peer's policy does not let this rank push or fetch that path (not what the replication\n"
+      "placement sends there, not a name of the checkpoint layout, a size its commit record contradicts).\n"
+      "Never retried. Also a PermissionError.";
+  py::register_exception<TransferNoSpaceError>(m, "TransferNoSpaceError", refused).doc() =
+      "The receiver has no room for the object (free space minus the receptions in flight and the margin it\n"
+      "keeps for its own saves). Nothing was stored; not retried.";
   py::tuple path_bases = py::make_tuple(refused, py::handle(PyExc_ValueError));
   py::register_exception<TransferPathError>(m, "TransferPathError", path_bases).doc() =
       "An object path was refused (absolute, '..', empty component, NUL, too long, or resolving through a "
@@ -133,6 +159,8 @@ void register_transfer(py::module_& m) {
   transfer_error_classes() = {
       {m.attr("TransferPathError").ptr(), is_a<TransferPathError>},
       {m.attr("TransferNotFoundError").ptr(), is_a<TransferNotFoundError>},
+      {m.attr("TransferForbiddenError").ptr(), is_a<TransferForbiddenError>},
+      {m.attr("TransferNoSpaceError").ptr(), is_a<TransferNoSpaceError>},
       {m.attr("TransferRefusedError").ptr(), is_a<TransferRefusedError>},
       {m.attr("TransferChecksumError").ptr(), is_a<TransferChecksumError>},
       {m.attr("TransferIntegrityError").ptr(), is_a<TransferIntegrityError>},
@@ -143,7 +171,34 @@ void register_transfer(py::module_& m) {
   py::register_exception_translator(translate_transfer_error);
 
   m.def("transfer_mac_backend", [] { return std::string(xfer::mac_backend()); },
-        "Which HMAC-SHA256 the transfer protocol uses: 'openssl' (libcrypto, fast) or 'builtin' (same tags, slower).");
+        "Which AES-256-GMAC implementation new transfer sessions use: 'openssl' (libcrypto), 'avx512-vpclmul', "
+        "'pclmul' or 'portable' (built in). All compute the same tags.");
+  m.def("set_transfer_mac_backend", &xfer::set_mac_backend, py::arg("name"),
+        "Makes new transfer sessions of this process use the named AES-256-GMAC backend (one of gmac_backends(); "
+        "ValueError otherwise). For tests and measurements: every backend computes the same tags.");
+  m.def("gmac_backends", &gmac_backends,
+        "The AES-256-GMAC implementations this build and CPU can run, the default first.");
+  m.def(
+      "gmac",
+      [](const py::buffer& key, const py::buffer& nonce, const py::list& parts, const std::string& backend) {
+        const std::string k = buffer_bytes(key), n = buffer_bytes(nonce);
+        if (k.size() != kGmacKeyBytes) throw std::invalid_argument("key must be 32 bytes (AES-256)");
+        if (n.size() != kGmacNonceBytes) throw std::invalid_argument("nonce must be 12 bytes");
+        std::vector<py::buffer_info> pieces;  // held (and the parts with them) while the GIL is released
+        for (const py::handle& part : parts) pieces.push_back(request_readable(py::reinterpret_borrow<py::buffer>(part)));
+        GmacTag tag;
+        {
+          py::gil_scoped_release release;
+          Gmac g(reinterpret_cast<const uint8_t*>(k.data()), backend);
+          g.begin(reinterpret_cast<const uint8_t*>(n.data()));
+          for (const py::buffer_info& piece : pieces) g.update(piece.ptr, static_cast<size_t>(piece.size * piece.itemsize));
+          tag = g.finish();
+        }
+        return py::bytes(reinterpret_cast<const char*>(tag.data()), tag.size());
+      },
+      py::arg("key"), py::arg("nonce"), py::arg("parts"), py::arg("backend") = "",
+      "AES-256-GMAC tag (16 bytes) of the concatenated parts (fed to the backend one part at a time) under "
+      "key (32 bytes) and nonce (12 bytes), with the named backend ('' = the default; ValueError if unavailable).");
   m.def(
       "sha256", [](const py::buffer& data) {
         py::buffer_info info = request_readable(data);
@@ -168,13 +223,15 @@ void register_transfer(py::module_& m) {
       "transfer_push",
       [](const std::string& host, int port, const py::bytes& secret, const py::object& local_base_dir,
          const std::string& path, const py::object& remote_path, double connect_timeout_s, double io_timeout_s,
-         int retries, double backoff_s, bool zero_copy, const py::object& crc32c) {
+         int retries, double backoff_s, bool zero_copy, const py::object& crc32c, uint32_t rank, uint32_t peer_rank,
+         double min_rate_bytes_per_s, const py::object& rate_grace_s) {
         const std::string base = fspath(local_base_dir);
         const std::string remote = remote_path.is_none() ? std::string() : remote_path.cast<std::string>();
         if (!remote_path.is_none()) split_relative_path(remote);  // an explicit "" is refused, not defaulted
         const std::string key = secret;
         TransferOptions o = transfer_options(connect_timeout_s, io_timeout_s, retries, backoff_s, zero_copy, kDefaultMax);
         set_known_crc(o, crc32c);
+        set_peer_args(o, {rank, peer_rank, min_rate_bytes_per_s, rate_grace_s});
         TransferResult r;
         {
           py::gil_scoped_release release;
@@ -185,29 +242,38 @@ void register_transfer(py::module_& m) {
       py::arg("host"), py::arg("port"), py::arg("secret"), py::arg("local_base_dir"), py::arg("path"),
       py::arg("remote_path") = py::none(), py::kw_only(), py::arg("connect_timeout_s") = 5.0,
       py::arg("io_timeout_s") = 30.0, py::arg("retries") = 3, py::arg("backoff_s") = 0.2,
-      py::arg("zero_copy") = true, py::arg("crc32c") = py::none(),
+      py::arg("zero_copy") = false, py::arg("crc32c") = py::none(), py::arg("rank") = 0, py::arg("peer_rank") = 0,
+      py::arg("min_rate_bytes_per_s") = kTransferDefaultMinRate, py::arg("rate_grace_s") = py::none(),
       "Push local_base_dir/path to a TransferServer as remote_path (default: path).\n\n"
       "Both paths are relative and confined (no absolute path, '..', empty component, NUL, symlink).\n"
       "The server stores the object atomically (hidden temp file, CRC32C + length check, fsync, rename).\n"
       "Connect failures, timeouts, lost connections and checksum mismatches are retried `retries` times,\n"
       "sleeping backoff_s * 2**i before retry i; authentication failures and refusals are not.\n"
-      "zero_copy=True sends with sendfile() (each chunk is pread and CRC'd first), else with send().\n"
+      "Each 256 KiB chunk is pread and tagged (AES-256-GMAC), then sent from that buffer with send();\n"
+      "zero_copy=True sends it with sendfile() instead, which costs more CPU here: the bytes were read for\n"
+      "the tag anyway, and sendfile's page-sized pieces make more, smaller segments for both ends.\n"
       "crc32c: the CRC32C of the bytes being sent when the caller knows it (e.g. from the object's\n"
-      "index): the data is then only sendfile()d, never read here; the receiver still checks the bytes\n"
-      "against it and refuses them (TransferChecksumError, nothing stored) when they differ.\n"
+      "index): it is then not computed here; the receiver still checks the bytes against it and\n"
+      "refuses them (TransferChecksumError, nothing stored) when they differ.\n"
+      "rank: the rank this side proves in the handshake; peer_rank: the rank the server must prove (else\n"
+      "TransferAuthError). Once the data flows the transfer must average min_rate_bytes_per_s after its first\n"
+      "rate_grace_s seconds (None: io_timeout_s), else TransferTimeoutError; 0 turns the floor off.\n"
       "Returns {'nbytes', 'crc32c', 'attempts', 'seconds'}. Raises TransferAuthError, TransferPathError\n"
-      "(also ValueError), TransferNotFoundError, TransferRefusedError, TransferChecksumError,\n"
+      "(also ValueError), TransferForbiddenError (also PermissionError), TransferNoSpaceError,\n"
+      "TransferNotFoundError, TransferRefusedError, TransferChecksumError,\n"
       "TransferTimeoutError (also TimeoutError), TransferError (base, an OSError); ValueError for bad\n"
       "arguments (secret under 16 bytes, bad port, timeouts <= 0); OSError for local file errors.");
   m.def(
       "transfer_push_fd",
       [](const std::string& host, int port, const py::bytes& secret, int fd, const std::string& remote_path,
          uint64_t offset, const py::object& length, double connect_timeout_s, double io_timeout_s, int retries,
-         double backoff_s, bool zero_copy, const py::object& crc32c) {
+         double backoff_s, bool zero_copy, const py::object& crc32c, uint32_t rank, uint32_t peer_rank,
+         double min_rate_bytes_per_s, const py::object& rate_grace_s) {
         const std::string key = secret;
         const uint64_t n = length.is_none() ? UINT64_MAX : length.cast<uint64_t>();
         TransferOptions o = transfer_options(connect_timeout_s, io_timeout_s, retries, backoff_s, zero_copy, kDefaultMax);
         set_known_crc(o, crc32c);
+        set_peer_args(o, {rank, peer_rank, min_rate_bytes_per_s, rate_grace_s});
         TransferResult r;
         {
           py::gil_scoped_release release;
@@ -218,7 +284,8 @@ void register_transfer(py::module_& m) {
       py::arg("host"), py::arg("port"), py::arg("secret"), py::arg("fd"), py::arg("remote_path"), py::kw_only(),
       py::arg("offset") = 0, py::arg("length") = py::none(), py::arg("connect_timeout_s") = 5.0,
       py::arg("io_timeout_s") = 30.0, py::arg("retries") = 3, py::arg("backoff_s") = 0.2,
-      py::arg("zero_copy") = true, py::arg("crc32c") = py::none(),
+      py::arg("zero_copy") = false, py::arg("crc32c") = py::none(), py::arg("rank") = 0, py::arg("peer_rank") = 0,
+      py::arg("min_rate_bytes_per_s") = kTransferDefaultMinRate, py::arg("rate_grace_s") = py::none(),
       "Like transfer_push, but sends bytes [offset, offset+length) of an open regular file (length None:\n"
       "to the end). The file position is not used or changed. crc32c, when given, is the CRC32C of\n"
       "exactly those bytes.");
@@ -226,13 +293,15 @@ void register_transfer(py::module_& m) {
       "transfer_fetch",
       [](const std::string& host, int port, const py::bytes& secret, const std::string& remote_path,
          const py::object& local_base_dir, const py::object& local_path, double connect_timeout_s,
-         double io_timeout_s, int retries, double backoff_s, uint64_t max_object_bytes, const py::object& spare_dir) {
+         double io_timeout_s, int retries, double backoff_s, uint64_t max_object_bytes, const py::object& spare_dir,
+         uint32_t rank, uint32_t peer_rank, double min_rate_bytes_per_s, const py::object& rate_grace_s) {
         const std::string base = fspath(local_base_dir);
         const std::string local = local_path.is_none() ? std::string() : local_path.cast<std::string>();
         if (!local_path.is_none()) split_relative_path(local);  // an explicit "" is refused, not defaulted
         const std::string key = secret;
         TransferOptions o = transfer_options(connect_timeout_s, io_timeout_s, retries, backoff_s, true, max_object_bytes);
         o.spare_dir = optional_relative_path(spare_dir);
+        set_peer_args(o, {rank, peer_rank, min_rate_bytes_per_s, rate_grace_s});
         TransferResult r;
         {
           py::gil_scoped_release release;
@@ -243,13 +312,16 @@ void register_transfer(py::module_& m) {
       py::arg("host"), py::arg("port"), py::arg("secret"), py::arg("remote_path"), py::arg("local_base_dir"),
       py::arg("local_path") = py::none(), py::kw_only(), py::arg("connect_timeout_s") = 5.0,
       py::arg("io_timeout_s") = 30.0, py::arg("retries") = 3, py::arg("backoff_s") = 0.2,
-      py::arg("max_object_bytes") = kDefaultMax, py::arg("spare_dir") = py::none(),
+      py::arg("max_object_bytes") = kDefaultMax, py::arg("spare_dir") = py::none(), py::arg("rank") = 0,
+      py::arg("peer_rank") = 0, py::arg("min_rate_bytes_per_s") = kTransferDefaultMinRate,
+      py::arg("rate_grace_s") = py::none(),
       "Fetch remote_path from a TransferServer into local_base_dir/local_path (default: remote_path).\n\n"
       "Missing parent directories are created inside local_base_dir. The object is received into a hidden\n"
       "temp file, checked (length, CRC32C), fsynced and renamed into place only if it matches. Retries and\n"
       "errors as transfer_push; objects over max_object_bytes are refused. spare_dir (relative to\n"
       "local_base_dir, same file system): a directory of spare files; the temp file is one of them when\n"
-      "there is one (renamed, resized, overwritten), so the data lands on tmpfs pages that already exist.");
+      "there is one (renamed, resized, overwritten), so the data lands on tmpfs pages that already exist.\n"
+      "rank, peer_rank, min_rate_bytes_per_s, rate_grace_s: as transfer_push.");
   m.def(
       "raw_tcp_throughput",
       [](uint64_t nbytes, size_t chunk_bytes) {
@@ -267,11 +339,39 @@ void register_transfer(py::module_& m) {
       py::arg("nbytes"), py::arg("chunk_bytes") = size_t(256) << 10,
       "Benchmark baseline: a plain C++ send()/recv() loop of nbytes over loopback between two threads.");
 
+  py::class_<TransferPolicy, std::shared_ptr<TransferPolicy>>(
+      m, "TransferPolicy",
+      "What each authenticated rank may do on a TransferServer (decided in C++ for every request).\n\n"
+      "Paths are <version dir>/<name>: the version directory as version_dir_pattern writes it, the name\n"
+      "an object as object_name_pattern writes it or one of version_files (str.format patterns with\n"
+      "{step}, {rank} and {index}, e.g. '{rank:05d}'; names match only in that canonical form). A rank\n"
+      "may push only objects of the ranks pushers grants it (client rank -> object ranks), never an\n"
+      "object of own_ranks (this node's) and never a version file; pushes create no directory but\n"
+      "the version directory. Any rank below world_size may fetch objects and version files.")
+      .def(py::init([](uint32_t world_size, const std::vector<uint32_t>& own_ranks,
+                       const std::map<uint32_t, std::vector<uint32_t>>& pushers, const std::string& version_dir_pattern,
+                       const std::string& object_name_pattern, const std::vector<std::string>& version_files) {
+             TransferPolicyConfig c;
+             c.world_size = world_size;
+             c.own_ranks = own_ranks;
+             c.pushers = pushers;
+             c.version_dir_pattern = version_dir_pattern;
+             c.object_name_pattern = object_name_pattern;
+             c.version_files = version_files;
+             return std::make_shared<TransferPolicy>(c);
+           }),
+           py::kw_only(), py::arg("world_size"), py::arg("own_ranks"), py::arg("pushers"),
+           py::arg("version_dir_pattern"), py::arg("object_name_pattern"), py::arg("version_files"))
+      .def_property_readonly("world_size", &TransferPolicy::world_size)
+      .def("__repr__", &TransferPolicy::describe);
+
   py::class_<TransferServer>(m, "TransferServer",
                              "Serves PUSH and FETCH of checkpoint objects under base_dir to authenticated peers.\n\n"
                              "One admission thread accepts connections and runs every handshake (non-blocking),\n"
-                             "so a peer without the secret never occupies a worker: a connection whose address is\n"
-                             "not in allowed_peers (None: any) is closed before a byte is read or written; at most\n"
+                             "so a peer that does not prove a rank of the job never occupies a worker; the rank\n"
+                             "it proved travels with the connection to the worker, whose policy checks every\n"
+                             "request against it. A connection whose address is not in allowed_peers (None: any)\n"
+                             "is closed before a byte is read or written; at most\n"
                              "max_connections_per_peer connections per address (handshaking, queued or served); at\n"
                              "most max_handshakes handshaking at once (when full, a new connection displaces the\n"
                              "oldest handshake of the address with the most); a handshake not completed within\n"
@@ -285,10 +385,18 @@ void register_transfer(py::module_& m) {
                              "retired replicas. A push takes one (the smallest that holds the object, else the\n"
                              "largest) by renaming it to its temp name, resizes and overwrites it, so the data lands\n"
                              "on tmpfs pages that already exist. Entries that are not plain singly linked files are\n"
-                             "ignored; a missing directory means no spares.")
+                             "ignored; a missing directory means no spares.\n\n"
+                             "rank: the rank this server proves in the handshake. policy: a TransferPolicy (None:\n"
+                             "any authenticated rank may push any confined path; for transport tests only).\n"
+                             "Once data flows a transfer must average min_rate_bytes_per_s after rate_grace_s\n"
+                             "(None: io_timeout_s). A push is refused before its data flows when its bytes do not\n"
+                             "fit: free space minus what receptions in flight reserved minus space_margin_bytes\n"
+                             "(None: 1/32 of the file system), kept free for this node's own saves.")
       .def(py::init([](const py::object& base_dir, const py::bytes& secret, const std::string& host, int port,
                        int max_connections, double io_timeout_s, uint64_t max_object_bytes, int max_pending,
-                       const py::object& spare_dir, double handshake_timeout_s, int max_handshakes,
+                       const py::object& spare_dir, uint32_t rank, std::shared_ptr<TransferPolicy> policy,
+                       double min_rate_bytes_per_s, const py::object& rate_grace_s,
+                       const py::object& space_margin_bytes, double handshake_timeout_s, int max_handshakes,
                        int max_connections_per_peer, const py::object& allowed_peers) {
              TransferServerConfig c;
              c.base_dir = fspath(base_dir);
@@ -300,6 +408,17 @@ void register_transfer(py::module_& m) {
              c.max_object_bytes = max_object_bytes;
              c.max_pending = max_pending;
              c.spare_dir = optional_relative_path(spare_dir);
+             c.rank = rank;
+             c.policy = std::move(policy);
+             c.min_rate_bytes_per_s = min_rate_bytes_per_s;
+             if (!rate_grace_s.is_none()) {
+               c.rate_grace_s = rate_grace_s.cast<double>();
+               if (!(c.rate_grace_s >= 0)) throw std::invalid_argument("rate_grace_s must be >= 0 or None");
+             }
+             if (!space_margin_bytes.is_none()) {
+               c.space_margin_bytes = space_margin_bytes.cast<int64_t>();
+               if (c.space_margin_bytes < 0) throw std::invalid_argument("space_margin_bytes must be >= 0 or None");
+             }
              c.handshake_timeout_s = handshake_timeout_s;
              c.max_handshakes = max_handshakes;
              c.max_connections_per_peer = max_connections_per_peer;
@@ -309,7 +428,9 @@ void register_transfer(py::module_& m) {
            }),
            py::arg("base_dir"), py::arg("secret"), py::arg("host") = "127.0.0.1", py::arg("port") = 0,
            py::arg("max_connections") = 4, py::arg("io_timeout_s") = 30.0, py::arg("max_object_bytes") = kDefaultMax,
-           py::arg("max_pending") = 0, py::arg("spare_dir") = py::none(), py::kw_only(),
+           py::arg("max_pending") = 0, py::arg("spare_dir") = py::none(), py::kw_only(), py::arg("rank") = 0,
+           py::arg("policy") = py::none(), py::arg("min_rate_bytes_per_s") = kTransferDefaultMinRate,
+           py::arg("rate_grace_s") = py::none(), py::arg("space_margin_bytes") = py::none(),
            py::arg("handshake_timeout_s") = 5.0, py::arg("max_handshakes") = 64,
            py::arg("max_connections_per_peer") = 32, py::arg("allowed_peers") = py::none())
       .def_property_readonly("port", &TransferServer::port, "The bound TCP port.")
@@ -340,12 +461,23 @@ void register_transfer(py::module_& m) {
           },
           "Errors raised inside the service threads since the last call, as strings (then cleared). Bytes\n"
           "outside printable ASCII (peers choose names and messages) appear as \\xNN.")
+      .def(
+          "expect_sizes",
+          [](TransferServer& self, uint64_t step, const std::map<std::string, uint64_t>& sizes) {
+            self.expect_sizes(step, sizes);
+          },
+          py::arg("step"), py::arg("sizes"),
+          "Sizes this node's commit record of step gives for objects peers push here ({relative path: bytes}):\n"
+          "a push of a listed path must announce exactly its size, a push of an unlisted path into step (with a\n"
+          "policy) is refused (TransferForbiddenError on the sender). The newest 8 steps are kept.")
       .def("stats", &TransferServer::stats,
            "Counters: accepted, rejected_not_allowed (address not allowed), rejected_peer_cap (an address at\n"
            "max_connections_per_peer with no handshake to displace), handshakes_dropped (displaced by newer\n"
            "connections), handshake_timeouts, handshakes_ok, handshaking (now), errors_suppressed (by the rate\n"
            "limit), rejected_busy, auth_failures, ..., spares_taken (pushes received into a spare file),\n"
-           "mappings_reused (of those, written through a mapping kept from an earlier reception).")
+           "mappings_reused (of those, written through a mapping kept from an earlier reception), forbidden\n"
+           "(requests the policy or the expected sizes refused), no_space (pushes refused for room), too_slow\n"
+           "(transfers that fell below the minimum rate).")
       .def("__enter__", [](py::object self) { return self; })
       .def("__exit__",
            [](TransferServer& self, const py::args&) {

@@ -76,6 +76,8 @@ Fd connect_to(const std::string& host, int port, double timeout_s) {
     case kNotFound: throw TransferNotFoundError(msg);
     case kChecksum: throw TransferChecksumError(msg);
     case kIntegrity: throw TransferIntegrityError(msg);
+    case kForbidden: throw TransferForbiddenError(msg);
+    case kNoSpace: throw TransferNoSpaceError(msg);
     case kBadRequest:
     case kTooLarge:
     case kIoError:
@@ -90,6 +92,15 @@ void check_client_args(const std::string& secret, int port, const TransferOption
   if (!(o.connect_timeout_s > 0) || !(o.io_timeout_s > 0)) throw std::invalid_argument("timeouts must be > 0");
   if (o.retries < 0 || o.retries > 100) throw std::invalid_argument("retries must be in 0..100");
   if (!(o.backoff_s >= 0) || o.backoff_s > 3600) throw std::invalid_argument("backoff_s must be in [0, 3600]");
+  if (!(o.min_rate_bytes_per_s >= 0) || !std::isfinite(o.min_rate_bytes_per_s))
+    throw std::invalid_argument("min_rate_bytes_per_s must be a finite number >= 0");
+  if (o.rate_grace_s > 86400 || std::isnan(o.rate_grace_s)) throw std::invalid_argument("rate_grace_s must be <= 86400");
+}
+
+// Once the data flows: the minimum rate instead of the handshake budget.
+void start_data_phase(Channel& ch, const TransferOptions& o) {
+  ch.clear_deadline();
+  ch.start_rate_floor(o.min_rate_bytes_per_s, o.rate_grace_s < 0 ? o.io_timeout_s : o.rate_grace_s);
 }
 
 template <typename Attempt>
@@ -137,11 +148,11 @@ TransferResult push_attempt(const std::string& host, int port, const std::string
   Fd sock = connect_to(host, port, o.connect_timeout_s);
   Channel ch(sock.get(), o.io_timeout_s, -1);
   ch.set_deadline(o.io_timeout_s);
-  client_handshake(ch, secret);
+  client_handshake(ch, secret, o.rank, o.peer_rank);
   send_request(ch, kOpPush, remote_path, size);
   Response ready = recv_response(ch);
   if (ready.status != kOk) throw_for_status(ready, "push of " + quoted(remote_path));
-  ch.clear_deadline();
+  start_data_phase(ch, o);
   TransferResult r;
   if (o.has_known_crc) {
     send_object_known_crc(ch, fd, offset, size, o.zero_copy, buf);
@@ -211,11 +222,11 @@ TransferResult transfer_fetch(const std::string& host, int port, const std::stri
     Fd sock = connect_to(host, port, o.connect_timeout_s);
     Channel ch(sock.get(), o.io_timeout_s, -1);
     ch.set_deadline(o.io_timeout_s);
-    client_handshake(ch, secret);
+    client_handshake(ch, secret, o.rank, o.peer_rank);
     send_request(ch, kOpFetch, remote_path, 0);
     Response head = recv_response(ch);
     if (head.status != kOk) throw_for_status(head, "fetch of " + quoted(remote_path));
-    ch.clear_deadline();
+    start_data_phase(ch, o);
     const uint64_t size = head.value;
     if (size > o.max_object_bytes) {
       const std::string msg = "object of " + std::to_string(size) + " bytes exceeds max_object_bytes " +

@@ -1,42 +1,34 @@
-// Message authentication of a transfer session (protocol v2, docs/protocol.md): one HMAC-SHA256
-// key per direction, derived from the handshake, and a sequence number per direction so that a
-// relay cannot reorder, replay, drop or splice authenticated messages. The HMAC runs on OpenSSL's
-// libcrypto when the build found it (SHA-NI), else on the bundled csrc/sha256.cpp (same bytes).
+// Message authentication of a transfer session (protocol v3, docs/protocol.md): one AES-256-GMAC
+// key per direction, derived from the handshake with HMAC-SHA256, and a 96-bit nonce per message
+// made of the direction, the message's kind and a sequence number per direction, so that a relay
+// cannot reorder, replay, drop or splice authenticated messages, nor pass one kind off as another.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
-#include <memory>
 #include <string>
 
-#include "sha256.hpp"
+#include "gmac.hpp"
 
 namespace flashpoint {
 namespace xfer {
 
-constexpr size_t kTagBytes = 32;  // a full HMAC-SHA256 after every authenticated message
+constexpr size_t kTagBytes = kGmacTagBytes;  // a 16-byte AES-256-GMAC tag after every authenticated message
 
-// Kinds of authenticated message; the kind is part of every tag (a request is never a response).
+// Kinds of authenticated message; the kind is part of every tag's nonce (a request is never a response).
 enum FrameKind : uint8_t { kFrameRequest = 1, kFrameResponse = 2, kFrameData = 3, kFrameTrailer = 4 };
+// The first byte of the nonce: which way the message travels.
+enum Direction : uint8_t { kClientToServer = 1, kServerToClient = 2 };
 
-// "openssl" or "builtin": which HMAC-SHA256 implementation this build uses.
+// Tags one message at a time: begin (by the Session), update with its bytes, finish.
+using KeyedMac = Gmac;
+
+// The GMAC backend that new sessions use: gmac_backend() unless set_mac_backend chose another.
 const char* mac_backend();
-
-// HMAC-SHA256 under one fixed key, restarted for every message without redoing the key setup.
-class KeyedMac {
- public:
-  explicit KeyedMac(const Digest256& key);
-  ~KeyedMac();
-  KeyedMac(const KeyedMac&) = delete;
-  KeyedMac& operator=(const KeyedMac&) = delete;
-  void begin();
-  void update(const void* data, size_t n);
-  Digest256 finish();
-
- private:
-  struct Impl;
-  std::unique_ptr<Impl> impl_;
-};
+// Makes new sessions of this process use the named GMAC backend (one of gmac_backends(),
+// else std::invalid_argument). For tests and for comparing backends; every backend computes
+// the same tags, so peers need not agree on one.
+void set_mac_backend(const std::string& name);
 
 // Both directions of one authenticated connection.
 class Session {
@@ -44,15 +36,17 @@ class Session {
   // is_client chooses which derived key sends and which receives.
   Session(const std::string& secret, const uint8_t* nonce_c, const uint8_t* nonce_s, bool is_client);
 
-  // Starts the tag of the next message this side sends (or receives): covers seq and kind.
-  KeyedMac& start_send(FrameKind kind) { return start(send_, send_seq_, kind); }
-  KeyedMac& start_recv(FrameKind kind) { return start(recv_, recv_seq_, kind); }
+  // Starts the tag of the next message this side sends (or receives): its nonce carries the
+  // direction, the kind and the direction's next sequence number.
+  KeyedMac& start_send(FrameKind kind) { return start(send_, send_direction_, send_seq_, kind); }
+  KeyedMac& start_recv(FrameKind kind) { return start(recv_, recv_direction_, recv_seq_, kind); }
   // Finishes a received message's tag; TransferIntegrityError naming what when it differs.
   void verify(KeyedMac& mac, const uint8_t* tag, const char* what);
 
  private:
-  static KeyedMac& start(KeyedMac& mac, uint64_t& seq, FrameKind kind);
+  static KeyedMac& start(KeyedMac& mac, Direction direction, uint64_t& seq, FrameKind kind);
   KeyedMac send_, recv_;
+  Direction send_direction_, recv_direction_;
   uint64_t send_seq_ = 0, recv_seq_ = 0;
 };
 

@@ -9,6 +9,8 @@
 #include "transfer_admission.hpp"
 #include "transfer_error_log.hpp"
 #include "transfer_paths.hpp"
+#include "transfer_policy.hpp"
+#include "transfer_space.hpp"
 #include "transfer_stream.hpp"
 #include "transfer_warm.hpp"
 #include "transfer_wire.hpp"
@@ -30,6 +32,13 @@ TransferServer::TransferServer(const TransferServerConfig& config) : config_(con
   if (config_.port < 0 || config_.port > 65535) throw std::invalid_argument("port must be in 0..65535");
   if (config_.max_object_bytes == 0) throw std::invalid_argument("max_object_bytes must be > 0");
   if (!config_.spare_dir.empty()) split_relative_path(config_.spare_dir);  // TransferPathError naming it
+  if (!(config_.min_rate_bytes_per_s >= 0) || !std::isfinite(config_.min_rate_bytes_per_s))
+    throw std::invalid_argument("min_rate_bytes_per_s must be a finite number >= 0");
+  if (config_.rate_grace_s < 0) config_.rate_grace_s = config_.io_timeout_s;
+  if (!(config_.rate_grace_s <= 86400)) throw std::invalid_argument("rate_grace_s must be in [0, 86400]");
+  if (config_.policy && config_.rank >= config_.policy->world_size())
+    throw std::invalid_argument("rank " + std::to_string(config_.rank) + " is not below the policy's world_size " +
+                                std::to_string(config_.policy->world_size()));
   if (!(config_.handshake_timeout_s > 0) || config_.handshake_timeout_s > 3600)
     throw std::invalid_argument("handshake_timeout_s must be in (0, 3600]");
   if (config_.max_handshakes < 1 || config_.max_handshakes > 65536)
@@ -41,6 +50,8 @@ TransferServer::TransferServer(const TransferServerConfig& config) : config_(con
 
   Fd base = open_base_dir(config_.base_dir);
   mappings_.reset(new WarmMappingCache());
+  space_.reset(new SpaceLedger(config_.space_margin_bytes));
+  expected_.reset(new ExpectedSizes());
   struct addrinfo hints;
   std::memset(&hints, 0, sizeof(hints));
   hints.ai_family = AF_UNSPEC;
@@ -77,7 +88,9 @@ TransferServer::TransferServer(const TransferServerConfig& config) : config_(con
   limits.handshake_timeout_s = config_.handshake_timeout_s;
   limits.max_handshakes = config_.max_handshakes;
   limits.max_per_peer = config_.max_connections_per_peer;
-  admission_.reset(new Admission(listen_fd_, stop_fd_, config_.secret, limits, *errors_));
+  // The stage proves this server's rank and admits only ranks of the job (below the policy's world size).
+  const uint32_t rank_limit = config_.policy ? config_.policy->world_size() : 0;
+  admission_.reset(new Admission(listen_fd_, stop_fd_, config_.secret, config_.rank, rank_limit, limits, *errors_));
   admission_->set_allowed(config_.allow_any_peer, allowed);
   try {
     for (int i = 0; i < config_.max_connections; ++i) workers_.emplace_back([this] { worker_loop(); });
@@ -145,7 +158,18 @@ std::map<std::string, uint64_t> TransferServer::stats() const {
           {"bytes_sent", bytes_sent_.load()},
           {"spares_taken", spares_taken_.load()},
           {"mappings_reused", mappings_reused_.load()},
-          {"temp_files_swept", temp_files_swept_.load()}};
+          {"temp_files_swept", temp_files_swept_.load()},
+          {"forbidden", forbidden_.load()},
+          {"no_space", no_space_.load()},
+          {"too_slow", too_slow_.load()}};
+}
+
+void TransferServer::expect_sizes(uint64_t step, std::map<std::string, uint64_t> sizes) {
+  expected_->expect(step, std::move(sizes));
+}
+
+void TransferServer::start_rate_floor(Channel& ch) const {
+  ch.start_rate_floor(config_.min_rate_bytes_per_s, config_.rate_grace_s);
 }
 
 void TransferServer::set_allowed_peers(bool any, const std::vector<std::string>& addresses) {
@@ -208,6 +232,7 @@ struct Refusal {
 
 Refusal refusal_for(const std::exception& e) {
   if (dynamic_cast<const TransferPathError*>(&e)) return {kPathRefused, e.what()};
+  if (dynamic_cast<const TransferNoSpaceError*>(&e)) return {kNoSpace, e.what()};
   if (dynamic_cast<const TransferNotFoundError*>(&e)) return {kNotFound, e.what()};
   if (const auto* os = dynamic_cast<const OsError*>(&e)) {
     if (os->error_number() == ENOENT) return {kNotFound, e.what()};
@@ -243,8 +268,10 @@ void drain_briefly(int fd, int stop_fd) {
 void TransferServer::handle(int fd, Admitted& admitted) {
   const std::string& peer = admitted.peer;
   Channel ch(fd, config_.io_timeout_s, stop_fd_);
-  ch.set_deadline(config_.io_timeout_s);  // the request and the first response, from being taken up here
+  // The request and the first response, from being taken up here (the handshake's budget ran from accept()).
+  ch.set_deadline(config_.io_timeout_s);
   ch.start_session(std::move(admitted.session));
+  const uint32_t client_rank = admitted.rank;  // proved in the handshake; every policy check below uses it
 
   uint8_t req[kRequestBytes];
   uint32_t op = 0, path_len = 0;
@@ -289,7 +316,9 @@ void TransferServer::handle(int fd, Admitted& admitted) {
     return;
   }
 
-  const Connection conn{ch, fd, peer, std::string(op == kOpPush ? "push" : "fetch") + " of " + quoted(path)};
+  const std::string who = peer + " (rank " + std::to_string(client_rank) + ")";
+  const Connection conn{ch, fd, who, std::string(op == kOpPush ? "push" : "fetch") + " of " + quoted(path),
+                        client_rank};
   if (op == kOpPush) handle_push(conn, path, size);
   else handle_fetch(conn, path);
 }
@@ -312,24 +341,42 @@ void TransferServer::handle_push(const Connection& c, const std::string& path, u
   const std::string& what = c.what;
   auto refuse = [&](uint32_t status, const std::string& message) { this->refuse(c, status, message); };
   std::vector<uint8_t> buf(kChunkBytes);
+  // Authorization first: nothing touches the disk for a path this rank may not push.
+  PolicyPath parsed;
+  if (config_.policy) {
+    const std::string why = config_.policy->refuse_push(c.rank, path, &parsed);
+    if (!why.empty()) {
+      forbidden_.fetch_add(1);
+      refuse(kForbidden, why);
+      return;
+    }
+  }
   if (size > config_.max_object_bytes) {
     refuse(kTooLarge, "object size " + std::to_string(size) + " exceeds max_object_bytes " +
                           std::to_string(config_.max_object_bytes));
     return;
   }
+  const std::string unexpected = expected_->refuse(path, config_.policy != nullptr, parsed.step, size);
+  if (!unexpected.empty()) {
+    forbidden_.fetch_add(1);
+    refuse(kForbidden, unexpected);
+    return;
+  }
   std::unique_ptr<TempObject> tmp;
   try {
     Fd spares = open_spare_dir(base_fd_, config_.spare_dir);
-    tmp.reset(new TempObject(base_fd_, path, size, spares.get(), mappings_.get()));
+    tmp.reset(new TempObject(base_fd_, path, size, spares.get(), mappings_.get(), space_.get()));
     if (tmp->from_spare()) spares_taken_.fetch_add(1);
   } catch (const std::exception& e) {
     const Refusal r = refusal_for(e);
+    if (r.status == kNoSpace) no_space_.fetch_add(1);
     refuse(r.status == kNotFound ? kIoError : r.status, r.message);
     return;
   }
   try {
     send_response(ch, kOk, 0, "ready");
     ch.clear_deadline();
+    start_rate_floor(ch);
     try {
       receive_object(ch, *tmp, size, buf);
     } catch (const TransferIntegrityError& e) {
@@ -361,6 +408,7 @@ void TransferServer::handle_push(const Connection& c, const std::string& path, u
   } catch (const std::exception& e) {
     tmp.reset();
     transfer_failures_.fetch_add(1);
+    if (ch.fell_below_rate()) too_slow_.fetch_add(1);
     record_error("peer " + peer + ": " + what + " failed: " + e.what() + " (nothing stored)");
   }
 }
@@ -372,6 +420,14 @@ void TransferServer::handle_fetch(const Connection& c, const std::string& path) 
   const std::string& what = c.what;
   auto refuse = [&](uint32_t status, const std::string& message) { this->refuse(c, status, message); };
   std::vector<uint8_t> buf(kChunkBytes);
+  if (config_.policy) {
+    const std::string why = config_.policy->refuse_fetch(c.rank, path);
+    if (!why.empty()) {
+      forbidden_.fetch_add(1);
+      refuse(kForbidden, why);
+      return;
+    }
+  }
   Fd file;
   uint64_t file_size = 0;
   try {
@@ -388,7 +444,8 @@ void TransferServer::handle_fetch(const Connection& c, const std::string& path) 
   try {
     send_response(ch, kOk, file_size, "sending");
     ch.clear_deadline();
-    const uint32_t crc = send_object(ch, file.get(), 0, file_size, true, buf);
+    start_rate_floor(ch);
+    const uint32_t crc = send_object(ch, file.get(), 0, file_size, /*zero_copy=*/false, buf);
     send_trailer(ch, file_size, crc);
     bytes_sent_.fetch_add(file_size);
     const Response ack = recv_response(ch);  // TransferIntegrityError when forged
@@ -400,6 +457,7 @@ void TransferServer::handle_fetch(const Connection& c, const std::string& path) 
     fetches_ok_.fetch_add(1);
   } catch (const std::exception& e) {
     transfer_failures_.fetch_add(1);
+    if (ch.fell_below_rate()) too_slow_.fetch_add(1);
     record_error("peer " + peer + ": " + what + " failed: " + e.what());
   }
 }

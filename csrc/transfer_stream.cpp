@@ -11,6 +11,7 @@ namespace xfer {
 // The part that lands on a spare's existing pages is received straight into a mapping of them
 // (one copy: socket -> page); the rest, and everything when there is no spare, is received into
 // buf and pwritten (two copies, but pwrite allocates new pages safely: no SIGBUS on ENOSPC).
+// The read that completes a chunk also takes its tag (one recvmsg, no extra call per chunk).
 // Throws TransferIntegrityError when a chunk's or the trailer's tag is wrong (the bytes already
 // written are only in the temp file), TransferChecksumError when the trailer's length or CRC disagrees.
 uint32_t receive_object(Channel& ch, TempObject& out, uint64_t size, std::vector<uint8_t>& buf) {
@@ -20,27 +21,32 @@ uint32_t receive_object(Channel& ch, TempObject& out, uint64_t size, std::vector
   for (uint64_t start = 0; start < size;) {
     const uint64_t end = std::min<uint64_t>(size, start + kChunkBytes);
     KeyedMac& mac = ch.session().start_recv(kFrameData);
+    uint8_t tag[kTagBytes];
+    size_t tag_got = 0;
+    // Receives [pos, pos + want) into dst (the chunk's last bytes together with its tag).
+    const auto receive = [&](uint8_t* dst, uint64_t pos, size_t want) {
+      const size_t got = pos + want == end ? ch.recv_some_then(dst, want, tag, sizeof(tag), &tag_got, "object data")
+                                           : ch.recv_some(dst, want, "object data");
+      crc = crc32c(dst, got, crc);
+      mac.update(dst, got);
+      return got;
+    };
     for (uint64_t pos = start; pos < end;) {
       if (pos < mapped) {
         const uint64_t ready = map->wait_populated(std::min(end, mapped));
         if (ready > pos) {
-          uint8_t* dst = map->data() + pos;
-          const size_t got = ch.recv_some(dst, static_cast<size_t>(ready - pos), "object data");
-          crc = crc32c(dst, got, crc);
-          mac.update(dst, got);
-          pos += got;
+          pos += receive(map->data() + pos, pos, static_cast<size_t>(ready - pos));
           continue;
         }
         mapped = pos;
       }
       const size_t want = static_cast<size_t>(std::min<uint64_t>(buf.size(), end - pos));
-      const size_t got = ch.recv_some(buf.data(), want, "object data");
-      crc = crc32c(buf.data(), got, crc);
-      mac.update(buf.data(), got);
+      const size_t got = receive(buf.data(), pos, want);
       out.write_at(buf.data(), got, pos);
       pos += got;
     }
-    recv_tag(ch, mac, "object data chunk");
+    if (tag_got < sizeof(tag)) ch.recv_exact(tag + tag_got, sizeof(tag) - tag_got, "object data chunk");
+    ch.session().verify(mac, tag, "object data chunk");
     start = end;
   }
   check_trailer(ch, size, crc);
@@ -64,11 +70,15 @@ static void pread_exactly(int file_fd, uint8_t* dst, size_t n, uint64_t offset, 
 }
 
 // Sends [offset, offset+size) chunk by chunk: each is pread into buf (page cache -> L2), tagged
-// (and CRC'd when crc is given) there, then sent with sendfile() (no copy into the socket) or
-// send() from buf, followed by its tag.
+// (and CRC'd when crc is given) there, then sent with send() from buf (or, with zero_copy, with
+// sendfile(), which measured more CPU on both ends: the bytes were read for the tag anyway, and
+// sendfile's page-sized pieces make more, smaller segments), followed by its tag. The tag goes out with MSG_MORE, so it travels in the
+// next chunk's first segment instead of a segment of its own (the trailer, sent without it,
+// pushes the last one). SIGPIPE is blocked once for the whole object, not per sendfile call.
 static void send_chunks(Channel& ch, int file_fd, uint64_t offset, uint64_t size, bool zero_copy,
                         std::vector<uint8_t>& buf, uint32_t* crc) {
   bool use_sendfile = zero_copy;
+  const SigpipeGuard sigpipe_blocked;
   for (uint64_t done = 0; done < size;) {
     const size_t n = static_cast<size_t>(std::min<uint64_t>(kChunkBytes, size - done));
     if (buf.size() < n) buf.resize(n);
@@ -76,9 +86,9 @@ static void send_chunks(Channel& ch, int file_fd, uint64_t offset, uint64_t size
     if (crc) *crc = crc32c(buf.data(), n, *crc);
     KeyedMac& mac = ch.session().start_send(kFrameData);
     mac.update(buf.data(), n);
-    if (use_sendfile) use_sendfile = ch.sendfile_all(file_fd, offset + done, n);
+    if (use_sendfile) use_sendfile = ch.sendfile_all(file_fd, offset + done, n, sigpipe_blocked);
     if (!use_sendfile) ch.send_all(buf.data(), n, "object data");
-    send_tag(ch, mac, "object data tag");
+    send_tag(ch, mac, "object data tag", MSG_MORE);
     done += n;
   }
 }

@@ -7,6 +7,7 @@
 #include <sys/statvfs.h>
 
 #include "transfer_paths.hpp"
+#include "transfer_space.hpp"
 #include "transfer_warm.hpp"
 
 namespace flashpoint {
@@ -73,18 +74,30 @@ inline void order_spares(std::vector<SpareCandidate>& spares, uint64_t size) {
 }
 
 // A hidden temporary file in the destination directory; removed unless commit() ran. Its
-// pages come from a spare file when spare_fd names a spare directory that holds one.
+// pages come from a spare file when spare_fd names a spare directory that holds one. With a
+// ledger, the bytes it adds are reserved there until it is gone (TransferNoSpaceError when
+// they do not fit).
 class TempObject {
  public:
   TempObject(int base_fd, const std::string& path, uint64_t size, int spare_fd = -1,
-             WarmMappingCache* cache = nullptr)
+             WarmMappingCache* cache = nullptr, SpaceLedger* ledger = nullptr)
       : path_(path), cache_(cache) {
     const auto comps = split_relative_path(path);
     final_name_ = comps.back();
     dir_ = open_parent_dir(base_fd, comps, path, true);
     temp_name_ = new_temp_name();
     if (spare_fd >= 0 && size > 0) take_spare(spare_fd, size);
-    check_space(size > warm_bytes_ ? size - warm_bytes_ : 0);
+    const uint64_t new_bytes = size > warm_bytes_ ? size - warm_bytes_ : 0;
+    if (ledger) {
+      try {
+        hold_ = ledger->reserve(dir_.get(), new_bytes, quoted(path));
+      } catch (...) {
+        discard();
+        throw;
+      }
+    } else {
+      check_space(new_bytes);
+    }
     if (file_.get() < 0) create_file();
     if (::ftruncate(file_.get(), static_cast<off_t>(size)) != 0) {
       const int err = errno;
@@ -125,6 +138,7 @@ class TempObject {
       n -= static_cast<size_t>(w);
       offset += static_cast<uint64_t>(w);
     }
+    if (hold_ && offset > warm_bytes_) hold_->landed(offset - warm_bytes_);  // pages past the spare's are new
   }
 
   // fsync, rename over the final name, fsync the directory.
@@ -212,6 +226,7 @@ class TempObject {
   Fd dir_, file_;
   WarmMappingCache* cache_;
   std::unique_ptr<WarmMapping> map_;
+  std::unique_ptr<SpaceLedger::Hold> hold_;  // released after the file is committed or removed
   struct stat spare_stat_ {};
   uint64_t warm_bytes_ = 0, mapped_bytes_ = 0;
   bool created_ = false, committed_ = false, from_spare_ = false, mapping_reused_ = false;

@@ -7,12 +7,41 @@ namespace {
 
 // --- messages -----------------------------------------------------------------------------
 
-Digest256 handshake_mac(const std::string& secret, const char* label, const uint8_t* nonce_c, const uint8_t* nonce_s) {
-  HmacSha256 h(secret.data(), secret.size());
+// What both handshake MACs and the session secret cover: both ranks and both nonces.
+struct Transcript {
+  uint8_t bytes[4 + 4 + kNonceBytes + kNonceBytes];
+  Transcript(uint32_t client_rank, uint32_t server_rank, const uint8_t* nonce_c, const uint8_t* nonce_s) {
+    put_u32(bytes, client_rank);
+    put_u32(bytes + 4, server_rank);
+    std::memcpy(bytes + 8, nonce_c, kNonceBytes);
+    std::memcpy(bytes + 8 + kNonceBytes, nonce_s, kNonceBytes);
+  }
+};
+
+Digest256 handshake_mac(const Digest256& key, const char* label, const Transcript& t) {
+  HmacSha256 h(key.data(), key.size());
   h.update(label, std::strlen(label));
-  h.update(nonce_c, kNonceBytes);
-  h.update(nonce_s, kNonceBytes);
+  h.update(t.bytes, sizeof(t.bytes));
   return h.finish();
+}
+
+// The session's secret, keyed by both ranks' keys: only the two ranks (and holders of the job
+// secret) can derive the direction keys from it.
+std::unique_ptr<Session> start_session(const Digest256& client_key, const Digest256& server_key, const Transcript& t,
+                                       const uint8_t* nonce_c, const uint8_t* nonce_s, bool is_client) {
+  uint8_t both[2 * 32];
+  std::memcpy(both, client_key.data(), 32);
+  std::memcpy(both + 32, server_key.data(), 32);
+  HmacSha256 h(both, sizeof(both));
+  secure_zero(both, sizeof(both));
+  h.update(kSessionLabel, std::strlen(kSessionLabel));
+  h.update(t.bytes, sizeof(t.bytes));
+  Digest256 session_secret = h.finish();
+  std::string secret(reinterpret_cast<const char*>(session_secret.data()), session_secret.size());
+  secure_zero(session_secret.data(), session_secret.size());
+  std::unique_ptr<Session> session(new Session(secret, nonce_c, nonce_s, is_client));
+  secure_zero(&secret[0], secret.size());
+  return session;
 }
 
 void check_magic(const uint8_t* msg, const char* who) {
@@ -26,7 +55,6 @@ void check_version(const uint8_t* msg, const char* who) {
     throw TransferError(std::string("unsupported protocol version ") + std::to_string(version) + " from the " + who +
                         " (this side speaks " + std::to_string(kProtocolVersion) +
                         "): install the same ml_flashpoint_nemo version on every node of the job");
-  if (get_u32(msg + 12) != 0) throw TransferError(std::string("non-zero reserved field in the ") + who + " hello");
 }
 
 }  // namespace
@@ -41,6 +69,8 @@ const char* status_name(uint32_t s) {
     case kChecksum: return "checksum mismatch";
     case kIoError: return "I/O error";
     case kIntegrity: return "integrity check failed";
+    case kForbidden: return "not permitted";
+    case kNoSpace: return "no space";
     default: return "unknown status";
   }
 }
@@ -91,13 +121,24 @@ std::string random_hex(size_t bytes) {
   return out;
 }
 
-void ServerHandshake::answer(const std::string& secret, const uint8_t* hello, uint8_t* reply) {
+Digest256 rank_key(const std::string& secret, uint32_t rank) {
+  uint8_t r[4];
+  put_u32(r, rank);
+  HmacSha256 h(secret.data(), secret.size());
+  h.update(kRankKeyLabel, std::strlen(kRankKeyLabel));
+  h.update(r, sizeof(r));
+  return h.finish();
+}
+
+void ServerHandshake::answer(const std::string& secret, uint32_t server_rank, const uint8_t* hello, uint8_t* reply) {
   check_magic(hello, "client");
   std::memcpy(reply, kMagic, sizeof(kMagic));
   put_u32(reply + 8, kProtocolVersion);
-  put_u32(reply + 12, 0);
+  put_u32(reply + 12, server_rank);
   if (get_u32(hello + 8) != kProtocolVersion) {
-    // An older (or newer) client learns our version from a hello whose MAC is zero, then we close.
+    // An older (or newer) client learns our version from a hello whose rank and MAC are zero; the
+    // caller sends it, then closes.
+    put_u32(reply + 12, 0);
     std::memset(reply + 16, 0, kNonceBytes + kMacBytes);
     try {
       check_version(hello, "client");
@@ -105,26 +146,37 @@ void ServerHandshake::answer(const std::string& secret, const uint8_t* hello, ui
       throw VersionMismatchError(e.what());
     }
   }
-  check_version(hello, "client");
+  server_rank_ = server_rank;
+  client_rank_ = get_u32(hello + 12);
   std::memcpy(nonce_c_, hello + 16, kNonceBytes);
   fill_random(nonce_s_, kNonceBytes);
   std::memcpy(reply + 16, nonce_s_, kNonceBytes);
-  const Digest256 server_mac = handshake_mac(secret, kServerLabel, nonce_c_, nonce_s_);
+  const Transcript t(client_rank_, server_rank_, nonce_c_, nonce_s_);
+  const Digest256 server_key = rank_key(secret, server_rank_);
+  const Digest256 server_mac = handshake_mac(server_key, kServerLabel, t);
   std::memcpy(reply + 16 + kNonceBytes, server_mac.data(), kMacBytes);
 }
 
-std::unique_ptr<Session> ServerHandshake::finish(const std::string& secret, const uint8_t* proof) const {
-  const Digest256 expected = handshake_mac(secret, kClientLabel, nonce_c_, nonce_s_);
+std::unique_ptr<Session> ServerHandshake::finish(const std::string& secret, uint32_t rank_limit,
+                                                 const uint8_t* proof) const {
+  const Transcript t(client_rank_, server_rank_, nonce_c_, nonce_s_);
+  const Digest256 client_key = rank_key(secret, client_rank_);
+  const Digest256 expected = handshake_mac(client_key, kClientLabel, t);
   if (!constant_time_equal(proof, expected.data(), kMacBytes))
-    throw TransferAuthError("client failed authentication (wrong job secret)");
-  return std::unique_ptr<Session>(new Session(secret, nonce_c_, nonce_s_, /*is_client=*/false));
+    throw TransferAuthError("client failed authentication as rank " + std::to_string(client_rank_) +
+                            " (wrong job secret, or it is not that rank)");
+  if (rank_limit != 0 && client_rank_ >= rank_limit)
+    throw TransferAuthError("client authenticated as rank " + std::to_string(client_rank_) + ", but the job has " +
+                            std::to_string(rank_limit) + " ranks");
+  const Digest256 server_key = rank_key(secret, server_rank_);
+  return start_session(client_key, server_key, t, nonce_c_, nonce_s_, /*is_client=*/false);
 }
 
-void client_handshake(Channel& ch, const std::string& secret) {
+void client_handshake(Channel& ch, const std::string& secret, uint32_t client_rank, uint32_t server_rank) {
   uint8_t hello[kClientHelloBytes];
   std::memcpy(hello, kMagic, sizeof(kMagic));
   put_u32(hello + 8, kProtocolVersion);
-  put_u32(hello + 12, 0);
+  put_u32(hello + 12, client_rank);
   uint8_t* nonce_c = hello + 16;
   fill_random(nonce_c, kNonceBytes);
   ch.send_all(hello, sizeof(hello), "client hello");
@@ -132,18 +184,27 @@ void client_handshake(Channel& ch, const std::string& secret) {
   ch.recv_exact(reply, sizeof(reply), "server hello");
   check_magic(reply, "server");
   check_version(reply, "server");
+  const uint32_t claimed = get_u32(reply + 12);
+  if (claimed != server_rank)
+    throw TransferAuthError("the server is rank " + std::to_string(claimed) + ", not rank " +
+                            std::to_string(server_rank) + " (the address list of the job is out of date, or "
+                            "another rank's server took this port)");
   const uint8_t* nonce_s = reply + 16;
-  const Digest256 expected = handshake_mac(secret, kServerLabel, nonce_c, nonce_s);
+  const Transcript t(client_rank, server_rank, nonce_c, nonce_s);
+  const Digest256 server_key = rank_key(secret, server_rank);
+  const Digest256 expected = handshake_mac(server_key, kServerLabel, t);
   if (!constant_time_equal(reply + 16 + kNonceBytes, expected.data(), kMacBytes))
-    throw TransferAuthError("server failed authentication (wrong job secret on one side, or not the expected peer)");
-  const Digest256 proof = handshake_mac(secret, kClientLabel, nonce_c, nonce_s);
+    throw TransferAuthError("server failed authentication as rank " + std::to_string(server_rank) +
+                            " (wrong job secret on one side, or not the expected peer)");
+  const Digest256 client_key = rank_key(secret, client_rank);
+  const Digest256 proof = handshake_mac(client_key, kClientLabel, t);
   ch.send_all(proof.data(), proof.size(), "client proof");
-  ch.start_session(std::unique_ptr<Session>(new Session(secret, nonce_c, nonce_s, /*is_client=*/true)));
+  ch.start_session(start_session(client_key, server_key, t, nonce_c, nonce_s, /*is_client=*/true));
 }
 
-void send_tag(Channel& ch, KeyedMac& mac, const char* what) {
-  const Digest256 tag = mac.finish();
-  ch.send_all(tag.data(), kTagBytes, what);
+void send_tag(Channel& ch, KeyedMac& mac, const char* what, int flags) {
+  const GmacTag tag = mac.finish();
+  ch.send_all(tag.data(), kTagBytes, what, flags);
 }
 
 void recv_tag(Channel& ch, KeyedMac& mac, const char* what) {
@@ -157,7 +218,7 @@ namespace {
 void send_authenticated(Channel& ch, FrameKind kind, std::vector<uint8_t>& body, const char* what) {
   KeyedMac& mac = ch.session().start_send(kind);
   mac.update(body.data(), body.size());
-  const Digest256 tag = mac.finish();
+  const GmacTag tag = mac.finish();
   body.insert(body.end(), tag.begin(), tag.end());
   ch.send_all(body.data(), body.size(), what);
 }
@@ -198,7 +259,7 @@ Response recv_response(Channel& ch) {
   mac.update(head, sizeof(head));
   mac.update(r.message.data(), r.message.size());
   recv_tag(ch, mac, "response");
-  if (r.status > kIntegrity) throw TransferError("malformed response: unknown status " + std::to_string(r.status));
+  if (r.status > kLastStatus) throw TransferError("malformed response: unknown status " + std::to_string(r.status));
   return r;
 }
 

@@ -18,6 +18,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -39,7 +40,7 @@ namespace xfer {
 using Clock = std::chrono::steady_clock;
 
 constexpr char kMagic[8] = {'M', 'L', 'F', 'P', 'X', 'F', 'R', '\0'};
-constexpr uint32_t kProtocolVersion = 2;  // 2: everything after the handshake is authenticated
+constexpr uint32_t kProtocolVersion = 3;  // 2: everything after the handshake authenticated; 3: per-rank keys, GMAC tags
 constexpr size_t kNonceBytes = 32;
 constexpr size_t kMacBytes = 32;
 constexpr size_t kClientHelloBytes = 8 + 4 + 4 + kNonceBytes;
@@ -49,8 +50,10 @@ constexpr size_t kResponseBytes = 16;
 constexpr size_t kTrailerBytes = 16;
 constexpr uint32_t kTrailerMagic = 0x21444E45;  // "END!"
 constexpr size_t kMaxMessageBytes = 4096;
-constexpr const char kServerLabel[] = "mlfp-xfer-v2 server";
-constexpr const char kClientLabel[] = "mlfp-xfer-v2 client";
+constexpr const char kRankKeyLabel[] = "mlfp-xfer-v3 rank";
+constexpr const char kServerLabel[] = "mlfp-xfer-v3 server";
+constexpr const char kClientLabel[] = "mlfp-xfer-v3 client";
+constexpr const char kSessionLabel[] = "mlfp-xfer-v3 session";
 
 enum Op : uint32_t { kOpPush = 1, kOpFetch = 2 };
 enum Status : uint32_t {
@@ -62,7 +65,10 @@ enum Status : uint32_t {
   kChecksum = 5,
   kIoError = 6,
   kIntegrity = 7,  // a message failed its tag check
+  kForbidden = 8,  // the policy does not let this rank push or fetch that path
+  kNoSpace = 9,    // the receiver has no room for the object
 };
+constexpr uint32_t kLastStatus = kNoSpace;
 
 const char* status_name(uint32_t s);
 
@@ -164,6 +170,17 @@ class Channel {
   }
   void clear_deadline() { has_deadline_ = false; }
 
+  // From now on the bytes moved (both directions) must average bytes_per_s from this moment,
+  // after a grace of grace_s: a wait also ends when they fall behind that (0: no floor).
+  void start_rate_floor(double bytes_per_s, double grace_s) {
+    floor_rate_ = bytes_per_s > 0 ? bytes_per_s : 0;
+    floor_grace_s_ = grace_s;
+    floor_start_ = Clock::now();
+    floor_moved_start_ = moved_;
+  }
+  // True once a wait ended because the transfer fell below its minimum rate.
+  bool fell_below_rate() const { return fell_below_rate_; }
+
   // The authenticated session the handshake established; every message after it uses it.
   void start_session(std::unique_ptr<Session> s) { session_ = std::move(s); }
   Session& session() {
@@ -178,6 +195,7 @@ class Channel {
       const ssize_t r = ::recv(fd_, p + got, n - got, 0);
       if (r > 0) {
         got += static_cast<size_t>(r);
+        moved_ += static_cast<uint64_t>(r);
       } else if (r == 0) {
         throw TransferError("connection closed by the peer after " + std::to_string(got) + " of " +
                             std::to_string(n) + " bytes of " + what);
@@ -193,7 +211,10 @@ class Channel {
   size_t recv_some(void* buf, size_t n, const char* what) {
     for (;;) {
       const ssize_t r = ::recv(fd_, buf, n, 0);
-      if (r > 0) return static_cast<size_t>(r);
+      if (r > 0) {
+        moved_ += static_cast<uint64_t>(r);
+        return static_cast<size_t>(r);
+      }
       if (r == 0) throw TransferError(std::string("connection closed by the peer during ") + what);
       if (errno == EAGAIN || errno == EWOULDBLOCK) {
         wait(POLLIN, what);
@@ -203,13 +224,41 @@ class Channel {
     }
   }
 
-  void send_all(const void* buf, size_t n, const char* what) {
+  // Receives 1..na + nb bytes with one call: first into a, then (only once a is full) into b.
+  // Returns the bytes that went into a; *b_got says how many went into b. The receiver of an
+  // object reads the end of a chunk and its tag this way.
+  size_t recv_some_then(void* a, size_t na, void* b, size_t nb, size_t* b_got, const char* what) {
+    struct iovec iov[2] = {{a, na}, {b, nb}};
+    struct msghdr msg;
+    std::memset(&msg, 0, sizeof(msg));
+    msg.msg_iov = iov;
+    msg.msg_iovlen = 2;
+    for (;;) {
+      const ssize_t r = ::recvmsg(fd_, &msg, 0);
+      if (r > 0) {
+        moved_ += static_cast<uint64_t>(r);
+        const size_t got = static_cast<size_t>(r);
+        *b_got = got > na ? got - na : 0;
+        return got - *b_got;
+      }
+      if (r == 0) throw TransferError(std::string("connection closed by the peer during ") + what);
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        wait(POLLIN, what);
+      } else if (errno != EINTR) {
+        throw TransferError(std::string("receiving ") + what + " failed: " + errno_text(errno));
+      }
+    }
+  }
+
+  // flags are added to MSG_NOSIGNAL (MSG_MORE: more follows at once, do not push a short segment).
+  void send_all(const void* buf, size_t n, const char* what, int flags = 0) {
     const uint8_t* p = static_cast<const uint8_t*>(buf);
     size_t sent = 0;
     while (sent < n) {
-      const ssize_t r = ::send(fd_, p + sent, n - sent, MSG_NOSIGNAL);
+      const ssize_t r = ::send(fd_, p + sent, n - sent, MSG_NOSIGNAL | flags);
       if (r >= 0) {
         sent += static_cast<size_t>(r);
+        moved_ += static_cast<uint64_t>(r);
       } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
         wait(POLLOUT, what);
       } else if (errno != EINTR) {
@@ -219,15 +268,16 @@ class Channel {
   }
 
   // sendfile() of [offset, offset+n); returns false (nothing sent) when the kernel cannot
-  // sendfile from this file, so the caller falls back to send().
-  bool sendfile_all(int file_fd, uint64_t offset, uint64_t n) {
-    SigpipeGuard guard;
+  // sendfile from this file, so the caller falls back to send(). sendfile has no MSG_NOSIGNAL:
+  // the caller blocks SIGPIPE around all its sendfile calls with one SigpipeGuard.
+  bool sendfile_all(int file_fd, uint64_t offset, uint64_t n, const SigpipeGuard& /*sigpipe_blocked*/) {
     off_t off = static_cast<off_t>(offset);
     uint64_t sent = 0;
     while (sent < n) {
       const ssize_t r = ::sendfile(fd_, file_fd, &off, static_cast<size_t>(n - sent));
       if (r > 0) {
         sent += static_cast<uint64_t>(r);
+        moved_ += static_cast<uint64_t>(r);
       } else if (r == 0) {
         throw ShortReadError("source file ended before the " + std::to_string(offset + n) +
                              " bytes being sent (was it truncated?)");
@@ -243,14 +293,29 @@ class Channel {
   }
 
  private:
+  enum Limit { kIoTimeout, kHandshakeBudget, kRateFloor };
+
   void wait(short events, const char* what) {
     for (;;) {
       double budget = io_timeout_s_;
+      Limit limit = kIoTimeout;
+      const auto now = Clock::now();
       if (has_deadline_) {
-        const double left = std::chrono::duration<double>(deadline_ - Clock::now()).count();
-        budget = std::min(budget, left);
+        const double left = std::chrono::duration<double>(deadline_ - now).count();
+        if (left < budget) {
+          budget = left;
+          limit = kHandshakeBudget;
+        }
       }
-      if (budget <= 0) throw_timeout(what);
+      if (floor_rate_ > 0) {  // behind once now > start + grace + moved / rate
+        const double due = floor_grace_s_ + double(moved_ - floor_moved_start_) / floor_rate_;
+        const double left = due - std::chrono::duration<double>(now - floor_start_).count();
+        if (left < budget) {
+          budget = left;
+          limit = kRateFloor;
+        }
+      }
+      if (budget <= 0) throw_timeout(what, limit);
       struct pollfd fds[2] = {{fd_, events, 0}, {stop_fd_, POLLIN, 0}};
       const int r = ::poll(fds, stop_fd_ >= 0 ? 2 : 1, timeout_ms(budget));
       if (r < 0) {
@@ -258,19 +323,24 @@ class Channel {
         throw OsError(errno, "poll failed", "");
       }
       if (stop_fd_ >= 0 && (fds[1].revents & POLLIN)) throw TransferError("server is stopping");
-      if (r == 0) {
-        if (has_deadline_ && Clock::now() >= deadline_) throw_timeout(what);
-        throw_timeout(what);
-      }
+      if (r == 0) throw_timeout(what, limit);
       return;  // ready, or an error condition the next syscall reports
     }
   }
 
-  [[noreturn]] void throw_timeout(const char* what) {
-    char secs[32];
-    std::snprintf(secs, sizeof(secs), "%.3g", io_timeout_s_);
+  [[noreturn]] void throw_timeout(const char* what, Limit limit) {
+    char text[200];
+    if (limit == kRateFloor) {
+      fell_below_rate_ = true;
+      const double elapsed = std::chrono::duration<double>(Clock::now() - floor_start_).count();
+      std::snprintf(text, sizeof(text), "%llu bytes in %.3g s, below the minimum of %.0f bytes/s after %.3g s",
+                    static_cast<unsigned long long>(moved_ - floor_moved_start_), elapsed, floor_rate_,
+                    floor_grace_s_);
+      throw TransferTimeoutError(std::string("the transfer fell below its minimum rate (") + what + ": " + text + ")");
+    }
+    std::snprintf(text, sizeof(text), "%.3g", io_timeout_s_);
     throw TransferTimeoutError(std::string("timed out waiting for the peer (") + what + ", " +
-                               (has_deadline_ ? "handshake budget " : "io timeout ") + secs + " s)");
+                               (limit == kHandshakeBudget ? "handshake budget " : "io timeout ") + text + " s)");
   }
 
   int fd_;
@@ -278,6 +348,11 @@ class Channel {
   int stop_fd_;
   bool has_deadline_ = false;
   Clock::time_point deadline_;
+  uint64_t moved_ = 0;  // bytes sent and received on this connection
+  double floor_rate_ = 0, floor_grace_s_ = 0;
+  Clock::time_point floor_start_;
+  uint64_t floor_moved_start_ = 0;
+  bool fell_below_rate_ = false;
   std::unique_ptr<Session> session_;
 };
 
@@ -286,12 +361,17 @@ inline void set_socket_options(int fd) {
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
 }
 
-// Authenticates both ends with the job secret (throws TransferAuthError on a wrong one) and
-// starts the channel's session (keys derived from the secret and both nonces).
-void client_handshake(Channel& ch, const std::string& secret);
+// The key that proves a rank: HMAC-SHA256(secret, "mlfp-xfer-v3 rank" || u32 rank).
+Digest256 rank_key(const std::string& secret, uint32_t rank);
+
+// Client: authenticates both ends as ranks of the job (TransferAuthError when a side fails):
+// proves client_rank, checks that the server proves server_rank, and starts the channel's
+// session (keys derived from both ranks' keys and both nonces). The server's side is
+// ServerHandshake, driven by the admission stage (transfer_admission.hpp).
+void client_handshake(Channel& ch, const std::string& secret, uint32_t client_rank, uint32_t server_rank);
 
 // A client hello of another protocol version: the reply given to answer() tells the client ours
-// (nonce and MAC zero); send it, then close.
+// (rank, nonce and MAC zero); send it, then close.
 class VersionMismatchError : public TransferError {
  public:
   using TransferError::TransferError;
@@ -301,15 +381,22 @@ class VersionMismatchError : public TransferError {
 // moves the bytes itself (the admission stage's non-blocking state machine, transfer_admission.cpp).
 class ServerHandshake {
  public:
-  // Takes the client hello (kClientHelloBytes) and writes the server hello (kServerHelloBytes) into
-  // reply. Throws TransferError when the hello is not a flashpoint client hello (bad magic, non-zero
-  // reserved field) and VersionMismatchError (reply filled, see there) for another version.
-  void answer(const std::string& secret, const uint8_t* hello, uint8_t* reply);
-  // Checks the client proof (kMacBytes) in constant time: TransferAuthError on a wrong secret.
-  // Returns the session of the connection (keys derived from the secret and both nonces).
-  std::unique_ptr<Session> finish(const std::string& secret, const uint8_t* proof) const;
+  // Takes the client hello (kClientHelloBytes, naming the rank the client claims) and writes the
+  // server hello (kServerHelloBytes, proving server_rank) into reply. Throws TransferError when
+  // the hello is not a flashpoint client hello (bad magic) and VersionMismatchError (reply
+  // filled, see there) for another version.
+  void answer(const std::string& secret, uint32_t server_rank, const uint8_t* hello, uint8_t* reply);
+  // Checks the client proof (kMacBytes) in constant time: TransferAuthError when the client does
+  // not prove the rank it claimed, or that rank is not below rank_limit (0: no limit). Returns the
+  // session of the connection (keys derived from both ranks' keys and both nonces); client_rank()
+  // is then the authenticated rank of the peer.
+  std::unique_ptr<Session> finish(const std::string& secret, uint32_t rank_limit, const uint8_t* proof) const;
+  // The rank the hello claimed; authenticated once finish() returned.
+  uint32_t client_rank() const { return client_rank_; }
 
  private:
+  uint32_t client_rank_ = 0;
+  uint32_t server_rank_ = 0;
   uint8_t nonce_c_[kNonceBytes] = {};
   uint8_t nonce_s_[kNonceBytes] = {};
 };
@@ -326,7 +413,8 @@ Response recv_response(Channel& ch);
 void send_trailer(Channel& ch, uint64_t nbytes, uint32_t crc);
 // Receives a message's tag and checks it (TransferIntegrityError naming what).
 void recv_tag(Channel& ch, KeyedMac& mac, const char* what);
-void send_tag(Channel& ch, KeyedMac& mac, const char* what);
+// Sends the message's tag; flags as for Channel::send_all (MSG_MORE after a data chunk).
+void send_tag(Channel& ch, KeyedMac& mac, const char* what, int flags = 0);
 // Checks the trailer that follows the data against the length and CRC32C received.
 void check_trailer(Channel& ch, uint64_t size, uint32_t crc);
 

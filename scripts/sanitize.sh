@@ -34,4 +34,5 @@ assert b"__asan_report" in open(core.__file__, "rb").read(), "the extension is n
 print("sanitized _core in place:", core.__file__)
 PY
 $py -m pytest -q -p no:cacheprovider tests/test_core_extension.py tests/test_hostile_objects.py \
-  tests/test_fuzz_objects.py tests/test_roundtrip.py tests/test_bad_inputs.py tests/test_transfer_service.py "$@"
+  tests/test_fuzz_objects.py tests/test_roundtrip.py tests/test_bad_inputs.py tests/test_transfer_service.py \
+  tests/test_transfer_integrity.py tests/test_gmac.py "$@"

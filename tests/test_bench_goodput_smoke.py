@@ -35,6 +35,8 @@ def test_bench_goodput_tiny_reports_consistent_numbers(tmp_path: Path):
 
     ram, durable = c["saves"]["ram"], c["saves"]["durable"]
     assert ram["saves"] == 2 and durable["saves"] >= 1  # RAM at steps 2 and 6 (4 is skipped: durable saves there)
+    assert ram["steady_saves"] == 1 and ram["blocking_s"] == ram["blocking_all_s"][1]  # the first is reported apart
+    assert ram["blocking_cpu_s"] > 0 and c["median_step_cpu_s"] > 0
     assert math.isclose(ram["fixed_cost_s"] + ram["staging_copy_s"], ram["blocking_s"], rel_tol=1e-9)
     assert ram["staging_copy_s"] > 0 and ram["job_checkpoint_bytes"] > 0
     # the instrumented calls happen inside the blocking time of the saves
@@ -43,6 +45,7 @@ def test_bench_goodput_tiny_reports_consistent_numbers(tmp_path: Path):
 
     recovery = c["recovery"]
     assert all(recovery[part] >= 0 for part in RECOVERY_PARTS), recovery
+    assert recovery["restore_cpu_s"] > 0
     assert math.isclose(sum(recovery[part] for part in RECOVERY_PARTS), recovery["total_s"], rel_tol=1e-9)
     # killed after step 7: the newest checkpoint is RAM step 6 (durable: step 4)
     assert recovery["killed_at"] == 7

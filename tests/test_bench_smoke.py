@@ -1,4 +1,4 @@
-"""The benchmarks (bench_core.py, bench_crc32c.py) run end to end on tiny inputs and report every measurement."""
+"""The benchmarks (bench_core.py, bench_crc32c.py, bench_transfer_authz.py) run end to end on tiny inputs and report every measurement."""
 
 from __future__ import annotations
 
@@ -45,7 +45,23 @@ def test_bench_crc32c_reports_every_backend_against_memcpy():
     )
     assert result.returncode == 0, result.stdout + result.stderr
     rows = {row["name"]: row for row in map(json.loads, result.stdout.splitlines())}
-    assert rows.keys() == {"memcpy"} | {f"crc32c {b}" for b in _core.crc32c_backends()}
+    assert rows.keys() == ({"memcpy"} | {f"crc32c {b}" for b in _core.crc32c_backends()}
+                           | {f"gmac {b}" for b in _core.gmac_backends()})
     assert rows["memcpy"]["cost_vs_memcpy"] == 1.0
     for name, row in rows.items():
         assert row["cpu_gbps"] > 0 and row["cost_vs_memcpy"] > 0 and row["nbytes"] == 64 << 10, name
+
+
+def test_bench_transfer_authz_reports_both_servers_and_ratios():
+    result = subprocess.run(
+        [sys.executable, "benchmarks/bench_transfer_authz.py", "--small", "3", "--mib", "1", "--large", "1",
+         "--rounds", "1"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    for kind in ("open", "policy"):
+        for key in ("small_wall", "small_cpu", "large_wall", "large_cpu"):
+            assert report[f"median_{kind}_{key}_s"] > 0, (kind, key)
+    assert all(report[f"ratio_{key}_policy_vs_open"] > 0 for key in ("small_wall", "small_cpu", "large_wall",
+                                                                      "large_cpu"))

@@ -791,8 +791,12 @@ def build_read_ops(file_size: int, seed: int):
     return ranges
 
 
+READ_METHODS = ["auto", "map", "pread"]
+
+
+@pytest.mark.parametrize("method", READ_METHODS)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_read_file_into_tensors(shm_dir, threads):
+def test_read_file_into_tensors(shm_dir, threads, method):
     file_size = 9 * MiB + 123
     data = random_bytes(file_size, seed=60)
     path = shm_dir / "file"
@@ -802,7 +806,7 @@ def test_read_file_into_tensors(shm_dir, threads):
     ops = [(offset, dest.data_ptr(), n, n) for (offset, n), dest in zip(ranges, destinations)]
     fd = os.open(path, os.O_RDONLY)
     try:
-        crcs = _core.read_file_into(fd, ops_array(ops), True, threads)
+        crcs = _core.read_file_into(fd, ops_array(ops), True, threads, method)
         assert len(crcs) == len(ops)
         for (offset, n), dest, crc in zip(ranges, destinations, crcs):
             expected = data[offset : offset + n]
@@ -811,7 +815,7 @@ def test_read_file_into_tensors(shm_dir, threads):
 
         for dest in destinations:
             dest.zero_()
-        assert _core.read_file_into(fd, ops_array(ops), checksum=False, threads=threads) == [0] * len(ops)
+        assert _core.read_file_into(fd, ops_array(ops), checksum=False, threads=threads, method=method) == [0] * len(ops)
         for (offset, n), dest in zip(ranges, destinations):
             assert memory_at(dest.data_ptr(), n) == data[offset : offset + n]
 
@@ -822,7 +826,8 @@ def test_read_file_into_tensors(shm_dir, threads):
         target = torch.empty_like(floats)
         fd2 = os.open(path2, os.O_RDONLY)
         try:
-            _core.read_file_into(fd2, ops_array([(0, target.data_ptr(), target.nbytes, target.nbytes)]), True, threads)
+            _core.read_file_into(fd2, ops_array([(0, target.data_ptr(), target.nbytes, target.nbytes)]), True, threads,
+                                 method)
         finally:
             os.close(fd2)
         assert torch.equal(target, floats)
@@ -830,8 +835,9 @@ def test_read_file_into_tensors(shm_dir, threads):
         os.close(fd)
 
 
+@pytest.mark.parametrize("method", READ_METHODS)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_reading_past_the_end_raises_short_read(shm_dir, threads):
+def test_reading_past_the_end_raises_short_read(shm_dir, threads, method):
     path = shm_dir / "file"
     path.write_bytes(random_bytes(10 * MiB, seed=62))
     destination = torch.empty(11 * MiB, dtype=torch.uint8)
@@ -843,11 +849,11 @@ def test_reading_past_the_end_raises_short_read(shm_dir, threads):
             fine = (0, destination.data_ptr(), MiB, destination.nbytes)  # refused with the bad one
             with pytest.raises(EOFError) as info:
                 _core.read_file_into(fd, ops_array([fine, (offset, destination.data_ptr(), n, destination.nbytes)]),
-                                     True, threads)
+                                     True, threads, method)
             assert isinstance(info.value, _core.ShortReadError)
             assert bool((destination == 0x77).all()), "a refused read must not have written any byte"
             with pytest.raises(_core.ShortReadError):
-                _core.checksum_file_ranges(fd, ops_array([(offset, n)]), threads)
+                _core.checksum_file_ranges(fd, ops_array([(offset, n)]), threads, method)
     finally:
         os.close(fd)
 
@@ -883,8 +889,9 @@ def test_read_file_into_reports_a_bad_fd():
     assert info.value.errno == errno.EBADF
 
 
+@pytest.mark.parametrize("method", READ_METHODS)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_checksum_file_ranges(shm_dir, threads):
+def test_checksum_file_ranges(shm_dir, threads, method):
     file_size = 9 * MiB + 77
     data = random_bytes(file_size, seed=63)
     path = shm_dir / "file"
@@ -892,7 +899,7 @@ def test_checksum_file_ranges(shm_dir, threads):
     ranges = build_read_ops(file_size, seed=64 + threads) + [(0, file_size)]
     fd = os.open(path, os.O_RDONLY)
     try:
-        crcs = _core.checksum_file_ranges(fd, ops_array(ranges), threads)
+        crcs = _core.checksum_file_ranges(fd, ops_array(ranges), threads, method)
     finally:
         os.close(fd)
     assert crcs == [_core.crc32c(data[offset : offset + n]) for offset, n in ranges]
@@ -978,10 +985,11 @@ def test_copy_into_buffer_releases_the_gil(shm_dir):
 @pytest.mark.parametrize("checksum", [True, False])
 @pytest.mark.parametrize(
     "dst_offset, src_offset, nbytes",
-    [(1, 3, (1 << 20) + 17), (33, 0, 3 * 4096 * 5 + 5), (64, 7, 256 << 10), (4096, 1, (8 << 20) + 1), (0, 0, 255 << 10)],
+    [(1, 3, (1 << 20) + 17), (33, 0, 3 * 4096 * 5 + 5), (64, 7, 256 << 10), (4096, 1, (8 << 20) + 1), (0, 0, 255 << 10),
+     (5, 2, 16 << 10), (0, 9, (16 << 10) - 1), (63, 0, (16 << 10) + 1), (7, 7, 20000)],
 )
 def test_large_copies_stream_correctly_at_any_alignment(shm_dir, checksum, dst_offset, src_offset, nbytes):
-    """Copies of 256 KiB and more take the one-pass streaming path: check its edges byte for byte."""
+    """Copies of 16 KiB and more take the one-pass streaming path: check its edges byte for byte."""
     buffer = ShmBuffer.create(str(shm_dir / "buf"), 16 << 20)
     source = torch.randint(0, 256, (nbytes + src_offset,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
     try:
@@ -1014,7 +1022,7 @@ def test_fused_copy_and_checksum_at_random_sizes_alignments_and_offsets(shm_dir)
     rng = random.Random(70)
     source = torch.randint(0, 256, (24 * MiB,), dtype=torch.uint8, generator=torch.Generator().manual_seed(71))
     src_bytes = source.numpy().tobytes()
-    sizes = [rng.choice([256 * 1024 + rng.randrange(-300, 300), rng.randrange(256 * 1024, 3 * MiB),
+    sizes = [rng.choice([16 * 1024 + rng.randrange(-300, 300), rng.randrange(256 * 1024, 3 * MiB),
                          rng.randrange(0, 70_000), 4 * MiB + rng.randrange(1, 200)]) for _ in range(24)]
     rows, dst = [], 0
     for n in sizes:
@@ -1039,8 +1047,9 @@ def test_fused_copy_and_checksum_at_random_sizes_alignments_and_offsets(shm_dir)
         buffer.close()
 
 
+@pytest.mark.parametrize("method", READ_METHODS)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_read_file_into_at_random_sizes_alignments_and_offsets(shm_dir, threads):
+def test_read_file_into_at_random_sizes_alignments_and_offsets(shm_dir, threads, method):
     """Loads copy and checksum straight from the file's pages: unaligned file offsets, destinations
     and lengths, large and small, in one call."""
     rng = random.Random(80 + threads)
@@ -1049,13 +1058,14 @@ def test_read_file_into_at_random_sizes_alignments_and_offsets(shm_dir, threads)
     path.write_bytes(data)
     rows = []
     for _ in range(20):
-        n = rng.choice([rng.randrange(256 * 1024, 5 * MiB), rng.randrange(0, 5000), 256 * 1024 + rng.randrange(-70, 70)])
+        n = rng.choice([rng.randrange(256 * 1024, 5 * MiB), rng.randrange(0, 5000), 256 * 1024 + rng.randrange(-70, 70),
+                        16 * 1024 + rng.randrange(-70, 70), rng.randrange(5000, 70_000)])
         rows.append((rng.randrange(0, len(data) - n), n, rng.randrange(0, 64)))
     arenas = [torch.full((n + shift + 64,), 0xC3, dtype=torch.uint8) for _, n, shift in rows]
     ops = [(offset, arena.data_ptr() + shift, n, n) for (offset, n, shift), arena in zip(rows, arenas)]
     fd = os.open(path, os.O_RDONLY)
     try:
-        crcs = _core.read_file_into(fd, ops_array(ops), True, threads)
+        crcs = _core.read_file_into(fd, ops_array(ops), True, threads, method)
     finally:
         os.close(fd)
     for (offset, n, shift), arena, crc in zip(rows, arenas, crcs):

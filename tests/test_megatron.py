@@ -65,6 +65,11 @@ def test_truncated_metadata_json_of_a_committed_version_is_restored(base_dir):
     assert config.read_bytes() == MEGATRON_CONFIG_BYTES
 
 
+def test_second_save_stages_into_a_buffer_warmed_after_the_first(base_dir):
+    outputs = run("second_save_reuses_a_buffer_warmed_after_the_first", 2, base=base_dir)
+    assert all("WARM BUFFER REUSED" in out for out in outputs), outputs
+
+
 def test_failed_background_write_fails_every_rank_and_keeps_previous(base_dir):
     outputs = run("failed_background_write_fails_every_rank", 2, base=base_dir)
     assert all("SAVE FAILED" in out and "rank 1" in out for out in outputs), outputs

@@ -83,6 +83,8 @@ def test_durable_checkpoint_is_the_fallback_and_the_newer_one_wins(reference, tm
     source, path_parts = expected
     assert resumed["resumed_from"] == source, resumed["resumed_path"]
     assert any(part in resumed["resumed_path"] for part in path_parts), resumed["resumed_path"]
+    # A RAM version is read by every rank from its own node; a durable one as NeMo reads it (parallel load on)
+    assert resumed["parallel_loads"] == (0 if source == "ram" else 1), resumed["parallel_loads"]
     if case == "ram lost":
         assert "falling back to the durable checkpoint" in resumed["log"]
     if case.startswith("async"):

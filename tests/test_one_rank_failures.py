@@ -60,3 +60,12 @@ def test_choose_version_skips_a_version_whose_check_fails_unexpectedly_on_one_ra
                         {"root": str(shm_dir)}, timeout=DEADLINE_S)
     assert all("CHOSEN None" in out for out in outputs), outputs
     assert "rank 1: ValueError: an unexpected failure in the version check" in outputs[0], outputs[0]
+
+
+def test_problems_of_every_rank_gathers_messages_only_when_a_rank_has_one(shm_dir):
+    """The usual case (no rank has a problem) costs one small all-reduce, no pickled gather."""
+    outputs = run_world("collective_scenarios", "problems_reach_every_rank", 2, {"root": str(shm_dir)},
+                        timeout=DEADLINE_S)
+    for out in outputs:
+        assert "NONE [] GATHERS 0" in out, out
+        assert "ONE ['rank 1: disk full'] GATHERS 1" in out, out

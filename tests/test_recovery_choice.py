@@ -58,6 +58,20 @@ def test_flipped_byte_of_one_rank_makes_every_rank_take_the_older_version(one_no
     assert chosen(one_node, 2) == {"CHOSEN 1"}
 
 
+@pytest.mark.parametrize("flip, expected", [
+    # checked ahead (in the background at trainer set-up): the choice reads no object again
+    (None, [["PASSED AHEAD True", "CHOSEN 2 READ 0"], ["PASSED AHEAD True", "CHOSEN 2 READ 0"]]),
+    # rewritten after that check: the choice reads it again, finds the flip, every rank takes step 1
+    ("after", [["PASSED AHEAD True", "CHOSEN 1 READ 1"], ["PASSED AHEAD True", "CHOSEN 1 READ 2"]]),
+    # flipped before it: the check ahead does not pass, the choice finds the flip itself
+    ("before", [["PASSED AHEAD True", "CHOSEN 1 READ 1"], ["PASSED AHEAD False", "CHOSEN 1 READ 2"]]),
+])
+def test_objects_checked_ahead_are_not_read_again_unless_rewritten(one_node, flip, expected):
+    outputs = run_world("megatron_scenarios", "choose_after_verifying_ahead", 2, dict(params(one_node, 2), flip=flip))
+    lines = [[line for line in out.splitlines() if line.startswith(("PASSED", "CHOSEN"))] for out in outputs]
+    assert lines == expected, outputs
+
+
 def test_flipped_common_state_makes_every_rank_take_the_older_version(one_node):
     flip(Path(one_node[0]) / "step-2" / "common.pt", offset=40)
     assert chosen(one_node, 2) == {"CHOSEN 1"}

@@ -21,7 +21,7 @@ from ml_flashpoint_nemo.core.layout import CheckpointLayout, object_name
 from ml_flashpoint_nemo.core.loader import open_object
 from ml_flashpoint_nemo.core.topology import NodeTopology
 from ml_flashpoint_nemo.core.versions import committed_steps, list_versions, read_commit, retire_version
-from ml_flashpoint_nemo.replication.placement import holder_nodes, push_targets, target_nodes
+from ml_flashpoint_nemo.replication.placement import holder_nodes, push_sources, push_targets, target_nodes
 from ml_flashpoint_nemo.replication.service import prune_foreign_objects
 from tests.support.multiproc import free_port, run_world
 
@@ -52,6 +52,16 @@ def test_placement_pairs_ranks_by_local_index_and_rejects_bad_input():
     assert push_targets(NodeTopology((0, 0), rank=0), 0, 2) == []  # one node: no replication
     with pytest.raises(ValueError):
         target_nodes(0, 3, 0)
+
+
+@pytest.mark.parametrize("nodes", [(0, 0, 1, 1, 2, 2), (0, 0, 1), (0, 1, 1, 1, 2), (0, 1, 2, 3), (0, 0)])
+def test_push_sources_are_exactly_the_ranks_that_push_to_a_rank(nodes):
+    """What a server admits (its policy's pushers) is the inverse of where every rank pushes."""
+    topology = NodeTopology(nodes, rank=0)
+    for factor in range(1, 6):
+        for rank in range(len(nodes)):
+            expected = [s for s in range(len(nodes)) if rank in push_targets(topology, s, factor)]
+            assert push_sources(topology, rank, factor) == expected, (nodes, factor, rank)
 
 
 def test_foreign_objects_of_retired_versions_are_pruned(shm_dir):
@@ -130,6 +140,10 @@ def test_wiped_node_recovers_newest_version_from_peers(shm_dir, nodes, ranks_per
     bases = bases_for(shm_dir, nodes)
     outputs = run("replicate", world, bases=bases, ranks_per_node=ranks_per_node, steps=[1, 2, 3])
     assert all(s.endswith("replicated failed=[]") for s in statuses(outputs, 3)), outputs
+    # The servers replication started admit only what the placement sends: not a push over their own object.
+    foreign = [line for out in outputs for line in out.splitlines() if line.startswith("FOREIGN PUSH")]
+    assert len(foreign) == world and all("TransferForbiddenError" in f and "lives on this node" in f
+                                         for f in foreign), foreign
     for node, base in enumerate(bases):  # node i holds its own objects and node i-1's replicas
         names = set(os.listdir(Path(base) / "step-3"))
         for source in (node, (node - 1) % nodes):

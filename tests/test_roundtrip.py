@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
+import json
 import os
+import sys
 
 import pytest
 import torch
@@ -20,9 +23,15 @@ from ml_flashpoint_nemo.core import (
     read_commit,
     verify_version,
 )
-from ml_flashpoint_nemo.core.format import HEADER_NBYTES, ObjectHeader, object_crc32c_from_index, whole_object_crc32c
+from ml_flashpoint_nemo.core.format import (
+    HEADER_NBYTES,
+    IndexEntry,
+    ObjectHeader,
+    object_crc32c_from_index,
+    whole_object_crc32c,
+)
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
-from ml_flashpoint_nemo.core.values import QUANTIZED_DTYPES
+from ml_flashpoint_nemo.core.values import QUANTIZED_DTYPES, tensor_columns
 from ml_flashpoint_nemo.errors import CorruptCheckpointError
 from tests.support.states import assert_state_equal, make_state, raw_bytes
 
@@ -312,3 +321,102 @@ def test_superseded_steps_never_lets_the_newest_committed_version_go():
 
     with pytest.raises(ValueError, match="keep must be >= 1"):
         superseded_steps([1, 2], [1, 2], keep=0)
+
+
+# --- states of plain CPU tensors take the column path (values.tensor_columns) -------------------
+
+
+def test_tensor_columns_take_only_plain_dense_contiguous_cpu_tensors():
+    plain = {"a": torch.randn(3, 4), "p": torch.nn.Parameter(torch.randn(2)), "e": torch.empty(0)}
+    columns = tensor_columns(plain)
+    assert columns is not None
+    assert columns.keys == ["a", "p", "e"]
+    assert columns.dtypes == [torch.float32] * 3
+    assert [tuple(s) for s in columns.shapes] == [(3, 4), (2,), (0,)]
+    assert columns.nbytes == [48, 8, 0]
+    assert list(columns.addresses) == [t.data_ptr() for t in plain.values()]
+    assert columns.signature() == [("a", "tensor", "float32", (3, 4), 48), ("p", "tensor", "float32", (2,), 8),
+                                   ("e", "tensor", "float32", (0,), 0)]
+    complex_values = torch.randn(4, dtype=torch.complex64)
+    for odd in (b"bytes", torch.randn(4, 4).t(), complex_values.conj(), torch._neg_view(torch.randn(3)),
+                torch.empty(3, device="meta"), torch.quantize_per_tensor(torch.randn(3), 0.1, 0, torch.qint8),
+                torch.randn(3, 3).to_sparse(), memoryview(b"xy")):
+        assert tensor_columns({"a": torch.randn(2), "odd": odd}) is None, odd
+    assert tensor_columns({1: torch.randn(2)}) is None  # type: ignore[dict-item]
+    assert tensor_columns([("a", torch.randn(2))]) is None  # type: ignore[arg-type]
+
+
+def test_the_column_and_per_value_paths_share_one_cached_layout_safely(base_dir):
+    """Saves alternate between the two paths and change the structure under both; each loads bit-exact."""
+    a, b = torch.randn(4, 4), torch.randn(3)
+    states = [
+        {"a": a, "b": b},  # columns
+        {"a": a, "b": b"now bytes"},  # per value: another layout
+        {"a": a, "b": b},  # columns again: the layout of the bytes save must not be reused
+        {"a": a.t(), "b": b},  # per value (strided), same layout as the columns save before
+        {"a": torch.randn(4, 4), "b": torch.randn(3)},  # columns: same layout, new tensors, new addresses
+        {"a": torch.randn(2, 8), "b": torch.randn(3)},  # columns: same bytes, other shape
+        {"b": torch.randn(3), "a": torch.randn(2, 8)},  # columns: other order
+    ]
+    with CheckpointSaver(base_dir) as saver:
+        for step, state in enumerate(states):
+            saver.save(step, state)
+            assert_state_equal(state, load_version(base_dir, step))
+
+
+def test_tensors_changed_in_place_between_saves_are_saved_as_they_are_now(base_dir):
+    """The same tensor objects every save (as a trainer's parameters are), changed in place in ways
+    that keep or change the layout: values, shape (resize_), dtype and storage (.data =)."""
+    weight, bias = torch.randn(4, 4), torch.randn(4)
+    state = {"weight": weight, "bias": bias}
+    with CheckpointSaver(base_dir) as saver:
+        saver.save(0, state)
+        weight.add_(1.0)
+        saver.save(1, state)
+        assert_state_equal({"weight": weight, "bias": bias}, load_version(base_dir, 1))
+        weight.resize_(2, 8)
+        saver.save(2, state)
+        assert load_version(base_dir, 2)["weight"].shape == (2, 8)
+        bias.data = torch.arange(6, dtype=torch.float64)
+        saver.save(3, state)
+        loaded = load_version(base_dir, 3)
+        assert loaded["bias"].dtype == torch.float64 and torch.equal(loaded["bias"], torch.arange(6, dtype=torch.float64))
+        assert_state_equal({"weight": weight, "bias": bias}, loaded)
+
+
+def test_no_garbage_collection_runs_while_a_save_stages(base_dir):
+    """A collection of a large heap in the middle of the staging copy is time training waits for;
+    the pause defers it to the next allocation after the staging."""
+    state = {f"t{i}": torch.randn(8) for i in range(500)}
+    staging = {"tensor_columns", "prepare_state", "_plan_for", "_plan_for_columns", "_copy_columns", "_copy_values"}
+    collections_inside: list[str] = []
+
+    def during_collection(phase: str, info: dict) -> None:
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code.co_name in staging:
+                collections_inside.append(f"{phase} in {frame.f_code.co_name}")
+                return
+            frame = frame.f_back
+
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1)  # a collection at nearly every allocation, unless paused
+    gc.callbacks.append(during_collection)
+    try:
+        with CheckpointSaver(base_dir) as saver:
+            for step in range(3):
+                saver.save(step, state)
+                saver.save(step + 10, {**state, "extra": b"bytes"})  # the per-value path too
+    finally:
+        gc.callbacks.remove(during_collection)
+        gc.set_threshold(*thresholds)
+    assert collections_inside == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(key=st.text(max_size=20), kind=st.sampled_from(["tensor", "bytes"]), dtype=st.text(max_size=8),
+       shape=st.lists(st.integers(0, 2**40), max_size=4), offset=st.integers(0, 2**62), nbytes=st.integers(0, 2**62))
+def test_an_index_record_is_the_json_that_json_dumps_writes(key, kind, dtype, shape, offset, nbytes):
+    entry = IndexEntry(key, kind, dtype, tuple(shape), offset, nbytes)
+    fields = {"key": key, "kind": kind, "dtype": dtype, "shape": shape, "offset": offset, "nbytes": nbytes}
+    assert entry.json_without_crc() == json.dumps(fields, separators=(",", ":"), ensure_ascii=False)[:-1]

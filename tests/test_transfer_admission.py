@@ -8,6 +8,8 @@ job does not know, 127.0.0.3 and up job nodes whose stuck agents flood the port
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import resource
 import select
@@ -20,6 +22,9 @@ from statistics import median
 import pytest
 
 from ml_flashpoint_nemo import _core
+from ml_flashpoint_nemo.core.layout import object_name, version_relpath
+from ml_flashpoint_nemo.core.topology import NodeTopology
+from ml_flashpoint_nemo.replication.service import transfer_policy
 from tests.support import transfer_peer as peer
 from tests.support.flood import SLOW_BYTES, Flood
 from tests.support.multiproc import run_world
@@ -118,10 +123,27 @@ def legit_round(srv, server_base: Path, client_base: Path, tag: str, count: int 
     return durations
 
 
-def hello_then_wait(sock: socket.socket) -> bytes:
-    """Sends a client hello and returns the server hello: the connection now waits for its proof."""
-    sock.sendall(HELLO)
+def hello_then_wait(sock: socket.socket, rank: int = 0) -> bytes:
+    """Sends a client hello (rank, nonce zero) and returns the server hello: the connection now waits for its proof."""
+    sock.sendall(peer.MAGIC + struct.pack("<II", peer.VERSION, rank) + bytes(32))
     return peer.recv_exact(sock, 80)
+
+
+def proof_for(sock: socket.socket, reply: bytes, rank: int = 0) -> tuple[bytes, peer.Session]:
+    """The client proof answering reply (to hello_then_wait's hello as rank) and the session it starts on sock."""
+    server_rank = struct.unpack("<I", reply[12:16])[0]
+    nonce_c, nonce_s = bytes(32), reply[16:48]
+    t = peer.transcript(rank, server_rank, nonce_c, nonce_s)
+    client_key, server_key = peer.rank_key(SECRET, rank), peer.rank_key(SECRET, server_rank)
+    proof = hmac.new(client_key, peer.CLIENT_LABEL + t, hashlib.sha256).digest()
+    return proof, peer.Session(sock, peer.session_secret(client_key, server_key, t), nonce_c, nonce_s, is_client=True)
+
+
+def prove(sock: socket.socket, reply: bytes, rank: int = 0) -> peer.Session:
+    """Completes hello_then_wait's handshake: sends the proof, returns the session."""
+    proof, session = proof_for(sock, reply, rank)
+    sock.sendall(proof)
+    return session
 
 
 # --- the flood --------------------------------------------------------------------------------
@@ -129,7 +151,7 @@ def hello_then_wait(sock: socket.socket) -> bytes:
 
 @pytest.mark.parametrize("max_handshakes", [64, 512], ids=["stage-full", "stage-holds-the-flood"])
 def test_idle_and_slow_floods_leave_legitimate_transfers_on_time(dirs, enough_fds, max_handshakes):
-    """200 idle + 50 slowloris connections from job nodes, reopened as the server closes them.
+    """200 idle + 50 slowloris (1 byte/s) connections from job nodes, reopened as the server closes them.
 
     stage-full: the stage (64) cannot hold the flood, so new connections displace the oldest
     handshakes of the busiest address; stage-holds-the-flood: they all fit and are closed at the
@@ -144,7 +166,7 @@ def test_idle_and_slow_floods_leave_legitimate_transfers_on_time(dirs, enough_fd
         legit_round(srv, base, client, "warm", count=2)  # page cache, code paths
         quiet = legit_round(srv, base, client, "quiet")
         srv.errors()
-        with Flood(HOST, srv.port, FLOOD_SOURCES, idle=200, slow=50, slow_interval_s=0.25) as flood:
+        with Flood(HOST, srv.port, FLOOD_SOURCES, idle=200, slow=50, slow_interval_s=1.0) as flood:
             held = min(max_handshakes, 250)
             start = wait_for(srv, "the flood to fill the stage", lambda s: s["handshaking"] >= held * 0.8)
             flooded: list[float] = []
@@ -253,9 +275,7 @@ def test_a_stranger_is_refused_before_a_byte_is_read_and_takes_no_place(dirs):
         assert stats["handshaking"] == 1 and stats["handshakes_dropped"] == 0, stats
         assert stats["protocol_failures"] == 0, stats  # nothing of theirs was read
         # The member's handshake survived the strangers: it completes and is served.
-        nonce_c, nonce_s = bytes(32), reply[16:48]
-        member.sendall(peer.mac(SECRET, peer.CLIENT_LABEL, nonce_c, nonce_s))
-        session = peer.Session(member, SECRET, nonce_c, nonce_s, is_client=True)
+        session = prove(member, reply)
         session.send_request(peer.OP_FETCH, b"missing.fpo", 0)
         assert session.recv_response()[0] == peer.NOT_FOUND
         member.close()
@@ -317,14 +337,51 @@ def test_a_full_stage_displaces_the_busiest_address_not_a_lone_peer(dirs):
         assert stats["handshaking"] == 4, stats
         assert all(closed_without_a_word(s) for s in crowd[:10])  # the oldest ten of the busy address
         assert all(still_open(s) for s in crowd[10:])
-        nonce_s = reply[16:48]
-        member.sendall(peer.mac(SECRET, peer.CLIENT_LABEL, bytes(32), nonce_s))
-        session = peer.Session(member, SECRET, bytes(32), nonce_s, is_client=True)
+        session = prove(member, reply)
         session.send_request(peer.OP_FETCH, b"missing.fpo", 0)
         assert session.recv_response()[0] == peer.NOT_FOUND
         member.close()
         for s in crowd:
             s.close()
+
+
+def test_the_rank_proved_in_the_stage_is_the_rank_the_policy_checks(shm_dir):
+    """Rank 1's server of a job of two one-rank nodes, where rank 0 replicates to rank 1.
+
+    The stage authenticates the client's rank and hands it to the worker with the connection:
+    rank 0's push of its object lands (its request sent in the same segment as its proof, which
+    the stage must leave unread), the same push proved as rank 1 is refused by the policy, and
+    rank 2, outside the job, is refused in the stage without reaching a worker.
+    """
+    base = shm_dir / "node-1"
+    base.mkdir()
+    obj = version_relpath(3, object_name(0))
+    data = os.urandom(100 * KiB)
+    policy = transfer_policy(NodeTopology((0, 1), rank=1), 2)
+    with _core.TransferServer(base, SECRET, rank=1, policy=policy, io_timeout_s=5.0) as srv:
+        with connect_from(HOST, srv.port) as sock:
+            proof, session = proof_for(sock, hello_then_wait(sock, rank=0), rank=0)
+            request = peer.request(peer.OP_PUSH, obj.encode(), len(data))
+            sock.sendall(proof + session.frame(peer.FRAME_REQUEST, request))
+            assert session.recv_response()[0] == peer.OK
+            session.send_data(data)
+            sock.sendall(session.trailer(len(data), peer.crc32c(data)))
+            assert session.recv_response()[0] == peer.OK
+        assert (base / obj).read_bytes() == data
+
+        with connect_from(HOST, srv.port) as sock:
+            session = prove(sock, hello_then_wait(sock, rank=1), rank=1)
+            session.send_request(peer.OP_PUSH, obj.encode(), len(data))
+            status, _, message = session.recv_response()
+            assert status == peer.FORBIDDEN and "rank 1 replicates nothing to this rank" in message, message
+
+        with connect_from(HOST, srv.port) as sock:
+            prove(sock, hello_then_wait(sock, rank=2), rank=2)
+            assert closed_without_a_word(sock)
+        stats = wait_for(srv, "the refusal of rank 2", lambda s: s["auth_failures"] == 1)
+        assert stats["handshakes_ok"] == 2 and stats["pushes_ok"] == 1 and stats["forbidden"] == 1, stats
+        errors = srv.errors()
+        assert any("authenticated as rank 2, but the job has 2 ranks" in e for e in errors), errors
 
 
 def test_allowed_peers_argument(dirs):

@@ -380,7 +380,7 @@ def test_truncated_push_leaves_nothing(hostile, how):
     with auth_sock(srv) as s:
         s.send_request(peer.OP_PUSH, b"step-2/obj.fpo", len(data))
         assert s.recv_response()[0] == peer.OK
-        s.sendall(s.data(data[: len(data) // 2]))
+        s.send_data(data[: len(data) // 2])
         if how == "stall":
             s.settimeout(IO_TIMEOUT + 3)
             t0 = time.monotonic()
@@ -643,7 +643,7 @@ def test_a_failed_reception_into_a_spare_leaves_nothing(dirs, spare_server):
     with auth_sock(spare_server) as s:  # a peer that goes away half-way
         s.send_request(peer.OP_PUSH, b"step-1/obj.fpo", len(data))
         assert s.recv_response()[0] == peer.OK
-        s.sendall(s.data(data[: MiB]))
+        s.send_data(data[: MiB])
     wait_for_error(spare_server, "closed by the peer")
     assert not (base / "step-1" / "obj.fpo").exists() and hidden_files(base) == []
     assert spare_server.stats()["spares_taken"] == 2 and os.listdir(base / SPARES) == []

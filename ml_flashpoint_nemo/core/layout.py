@@ -42,6 +42,13 @@ DCP_METADATA_NAME = ".metadata"
 MEGATRON_CONFIG_NAME = "metadata.json"
 MEGATRON_COMMON_NAME = "common.pt"
 _TEMPORARY_MARK = ".tmp-"
+# The names above as str.format patterns: the transfer server's policy (replication) matches peers'
+# paths against exactly these, so a version directory or an object has one name, this one.
+VERSION_DIR_PATTERN = VERSION_DIR_PREFIX + "{step}"
+OBJECT_NAME_PATTERN = "rank-{rank:05d}-{index}" + OBJECT_SUFFIX
+# The version-level files a peer may fetch from a version directory (besides objects): the commit
+# record and the adapters' files. Peers never push them: every node writes its own.
+PEER_VERSION_FILES = (COMMIT_NAME, DCP_METADATA_NAME, MEGATRON_CONFIG_NAME, MEGATRON_COMMON_NAME)
 _STEP_DIR = re.compile(r"step-(0|[1-9][0-9]*)", re.ASCII)  # canonical: version_dir_name(N) and nothing else
 _POOL_RANK_DIR = re.compile(r"rank-(\d+)", re.ASCII)
 _OBJECT_NAME = re.compile(r"^rank-(\d+)-(\d+)\.fpo$")
@@ -52,7 +59,7 @@ def version_dir_name(step: int) -> str:
     """The directory name of version `step` (decimal, no padding)."""
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
-    return f"{VERSION_DIR_PREFIX}{step}"
+    return VERSION_DIR_PATTERN.format(step=step)
 
 
 def step_of_version_dir(name: str) -> int | None:
@@ -100,7 +107,7 @@ def is_temporary_name(name: str) -> bool:
 
 
 def object_name(rank: int, index: int = 0) -> str:
-    return f"rank-{rank:05d}-{index}{OBJECT_SUFFIX}"
+    return OBJECT_NAME_PATTERN.format(rank=rank, index=index)
 
 
 def rank_of_object(name: str) -> int | None:

@@ -1,8 +1,10 @@
 """Reading versions back: straight from the object file into the destination, verified on the way.
 
-Data is copied from a read-only mapping of the object file straight into the
-destination tensor's own memory, each 64 bytes loaded once, folded into the
-CRC32C and stored (one pass; files that cannot be mapped are pread instead).
+Data goes from the object file straight into the destination tensor's own
+memory, each 64 bytes folded into the CRC32C on the way: copied from a mapping
+of the file where its pages are huge, pread through a cache-sized buffer where
+they are not (csrc/file_reads.hpp; FLASHPOINT_READ_METHOD overrides the choice).
+A file truncated during the read raises CorruptCheckpointError, never a SIGBUS.
 Nothing is returned unless every checksum matched: a mismatch raises
 ChecksumError naming the object and the key.
 """
@@ -29,7 +31,7 @@ from ml_flashpoint_nemo.core.format import (
     validate_index,
 )
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
-from ml_flashpoint_nemo.core.tuning import default_copy_threads
+from ml_flashpoint_nemo.core.tuning import default_copy_threads, read_method
 from ml_flashpoint_nemo.core.values import BytesLike, dtype_from_name, dtype_name
 from ml_flashpoint_nemo.core.version_files import check_version_files
 from ml_flashpoint_nemo.core.versions import committed_steps, read_commit
@@ -185,7 +187,7 @@ def read_object(
 
 def _read_with_errors(obj: OpenObject, ops: array.array, threads: int) -> list[int]:
     try:
-        return _core.read_file_into(obj.fd, ops, obj.header.has_data_crc, threads)
+        return _core.read_file_into(obj.fd, ops, obj.header.has_data_crc, threads, read_method())
     except EOFError as exc:
         raise CorruptCheckpointError(f"object {obj.path} is truncated ({exc}). {CORRUPT_ADVICE}") from exc
 
@@ -301,7 +303,7 @@ def verify_object_file(path: str | os.PathLike[str], record: ObjectRecord, threa
         for entry in obj.entries:
             ranges.extend((entry.offset, entry.nbytes))
         try:
-            crcs = _core.checksum_file_ranges(obj.fd, ranges, threads)
+            crcs = _core.checksum_file_ranges(obj.fd, ranges, threads, read_method())
         except EOFError as exc:
             raise CorruptCheckpointError(f"object {obj.path} is truncated ({exc})") from exc
         for entry, crc in zip(obj.entries, crcs):

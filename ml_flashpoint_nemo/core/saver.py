@@ -25,10 +25,11 @@ from ml_flashpoint_nemo.core.format import (
     ObjectRecord,
     plan_object,
 )
+from ml_flashpoint_nemo.core.gc_pause import gc_paused
 from ml_flashpoint_nemo.core.layout import CheckpointLayout, object_name
 from ml_flashpoint_nemo.core.pool import BufferPool, raise_if_out_of_space
 from ml_flashpoint_nemo.core.tuning import default_copy_threads
-from ml_flashpoint_nemo.core.values import PreparedValue, prepare_state
+from ml_flashpoint_nemo.core.values import PreparedValue, TensorColumns, prepare_state, tensor_columns
 from ml_flashpoint_nemo.core.versions import retire_superseded, retire_version, write_commit
 from ml_flashpoint_nemo.errors import CorruptCheckpointError, FormatVersionError, VersionExistsError
 
@@ -98,6 +99,8 @@ class CheckpointSaver:
         self.pool = pool or BufferPool(self.layout, rank, max_free=max_free_buffers)
         self._plan: ObjectPlan | None = None
         self._plan_signature: list[tuple] | None = None
+        # For states of plain CPU tensors: the plan's layout key, record offsets and sizes.
+        self._plan_columns: tuple[tuple, array.array, array.array] | None = None
         self._padding_ops = array.array("Q")
 
     def warm_up(self, nbytes: int, count: int = 2) -> "Future[None]":
@@ -125,27 +128,32 @@ class CheckpointSaver:
         With defer_checksums the copy is a plain memcpy and the CRCs are computed by
         seal_object, which may then run in the background or in another process.
         """
-        values = prepare_state(state)
-        if self.layout.is_committed(step):
-            if not overwrite:
-                raise VersionExistsError(
-                    f"step {step} is already committed in {self.layout.base_dir}; pass overwrite=True to replace it "
-                    "(the old version is removed before the new one is written)"
-                )
-            # Only this rank's objects: other ranks of a multi-rank save retire their own.
-            retire_version(self.layout, step, rank=self.rank, pool=self.pool)
-        plan = self._plan_for(values)
-        buffer = self.pool.acquire(plan.object_nbytes)
-        try:
-            with memoryview(buffer) as view:
-                view[:HEADER_NBYTES] = bytes(HEADER_NBYTES)  # no valid header until sealed
-            crcs = self._copy_values(buffer, values, plan.entries, self.checksum and not defer_checksums,
-                                     self._padding_ops)
-        except BaseException as exc:
-            self.pool.release(buffer)
-            if isinstance(exc, OSError):
-                raise_if_out_of_space(exc, f"step {step}")
-            raise
+        with gc_paused():  # thousands of small objects: no collection in the middle of the copy
+            columns = tensor_columns(state)
+            values = prepare_state(state) if columns is None else []
+            if self.layout.is_committed(step):
+                if not overwrite:
+                    raise VersionExistsError(
+                        f"step {step} is already committed in {self.layout.base_dir}; pass overwrite=True to replace "
+                        "it (the old version is removed before the new one is written)"
+                    )
+                # Only this rank's objects: other ranks of a multi-rank save retire their own.
+                retire_version(self.layout, step, rank=self.rank, pool=self.pool)
+            plan = self._plan_for(values) if columns is None else self._plan_for_columns(columns)
+            buffer = self.pool.acquire(plan.object_nbytes)
+            checksum = self.checksum and not defer_checksums
+            try:
+                with memoryview(buffer) as view:
+                    view[:HEADER_NBYTES] = bytes(HEADER_NBYTES)  # no valid header until sealed
+                if columns is None:
+                    crcs = self._copy_values(buffer, values, plan.entries, checksum, self._padding_ops)
+                else:
+                    crcs = self._copy_columns(buffer, columns, checksum)
+            except BaseException as exc:
+                self.pool.release(buffer)
+                if isinstance(exc, OSError):
+                    raise_if_out_of_space(exc, f"step {step}")
+                raise
         job = SealJob(
             path=buffer.path,
             rank=self.rank,
@@ -154,7 +162,8 @@ class CheckpointSaver:
             checksum=self.checksum,
             padding_zeroed=True,
         )
-        return StagedObject(step, buffer, job, sum(v.nbytes for v in values))
+        data_nbytes = sum(v.nbytes for v in values) if columns is None else sum(columns.nbytes)
+        return StagedObject(step, buffer, job, data_nbytes)
 
     def place(self, staged: "StagedObject") -> WrittenObject:
         """Check the sealed object and rename it into its version directory (still uncommitted)."""
@@ -178,11 +187,35 @@ class CheckpointSaver:
 
     def _plan_for(self, values: list[PreparedValue]) -> ObjectPlan:
         """The layout of the previous save when keys, dtypes and shapes are unchanged (checked every save)."""
-        signature = [(v.key, v.kind, v.dtype, v.shape, v.nbytes) for v in values]
+        return self._plan_for_signature([(v.key, v.kind, v.dtype, v.shape, v.nbytes) for v in values])
+
+    def _plan_for_signature(self, signature: list[tuple]) -> ObjectPlan:
         if self._plan is None or self._plan_signature != signature:
             self._plan, self._plan_signature = plan_object(signature), signature
             self._padding_ops = padding_copy_ops(self._plan)
+            self._plan_columns = None
         return self._plan
+
+    def _plan_for_columns(self, columns: TensorColumns) -> ObjectPlan:
+        """_plan_for for a state of plain CPU tensors, compared column by column (no per-value objects)."""
+        layout_key = columns.layout_key()
+        if self._plan is None or self._plan_columns is None or self._plan_columns[0] != layout_key:
+            plan = self._plan_for_signature(columns.signature())
+            offsets = array.array("Q", [entry.offset for entry in plan.entries])
+            self._plan_columns = (layout_key, offsets, array.array("Q", columns.nbytes))
+        assert self._plan is not None
+        return self._plan
+
+    def _copy_columns(self, buffer: _core.ShmBuffer, columns: TensorColumns, checksum: bool) -> list[int]:
+        """Copy every tensor of the columns to its record's offset and zero the gaps, in one parallel pass."""
+        assert self._plan_columns is not None
+        _, offsets, sizes = self._plan_columns
+        ops = array.array("Q", bytes(24 * len(offsets)))  # (source, offset, nbytes) rows, filled column-wise
+        ops[0::3] = columns.addresses
+        ops[1::3] = offsets
+        ops[2::3] = sizes
+        ops.extend(self._padding_ops)  # their CRCs are not needed
+        return _core.copy_into_buffer(buffer, ops, checksum, self.threads)[: len(offsets)]
 
     def _copy_values(
         self,

@@ -14,10 +14,10 @@ import os
 from pathlib import Path
 
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
-from ml_flashpoint_nemo.core.topology import problems_of_every_rank
+from ml_flashpoint_nemo.core.topology import any_rank, problems_of_every_rank
 from ml_flashpoint_nemo.core.version_files import FILES_KEY
 from ml_flashpoint_nemo.core.versions import committed_steps, read_commit
-from ml_flashpoint_nemo.errors import CorruptCheckpointError, FormatVersionError, OutOfSpaceError
+from ml_flashpoint_nemo.errors import BaseDirError, CorruptCheckpointError, FormatVersionError, OutOfSpaceError
 
 MIN_FREE_BYTES = 4 << 20  # room for a first save's common state and metadata, whose size is not known yet
 
@@ -63,16 +63,34 @@ def room_problem(base_dir: str | os.PathLike[str]) -> str | None:
     return None
 
 
-def check_room_on_every_rank(base_dir: str | os.PathLike[str]) -> None:
+def version_dir_problem(version_dir: str | os.PathLike[str]) -> str | None:
+    """Create a version's directory; why this rank cannot (None: it exists now). Never raises."""
+    try:
+        Path(version_dir).mkdir(parents=True, exist_ok=True)
+    except Exception as exc:  # noqa: BLE001 - returned to every rank by the caller's collective
+        return f"cannot create the version directory {version_dir}: {type(exc).__name__}: {exc}"
+    return None
+
+
+def check_room_on_every_rank(base_dir: str | os.PathLike[str], *,
+                             version_dir: str | os.PathLike[str] | None = None) -> None:
     """Collective: raise OutOfSpaceError on every rank if any rank's node lacks room for the next save.
 
     Call it right before megatron.core.dist_checkpointing.save of a RAM version (the NeMo
-    checkpoint IO does); the previous versions stay intact and training can go on.
+    checkpoint IO does); the previous versions stay intact and training can go on. With
+    version_dir, each rank also creates that directory (Megatron requires it on rank 0); a rank
+    that cannot makes every rank raise BaseDirError instead.
     """
-    failed = problems_of_every_rank(room_problem(base_dir))
-    if failed:
-        raise OutOfSpaceError(
-            "flashpoint save skipped on every rank: " + "; ".join(failed)
-            + ". If a tmpfs is full: free memory on that node (other jobs' files in /dev/shm?), lower `keep`, "
-            "or give the tmpfs more room."
-        )
+    room = room_problem(base_dir)
+    made = version_dir_problem(version_dir) if room is None and version_dir is not None else None
+    failed = problems_of_every_rank(room or made)
+    if not failed:
+        return
+    if not any_rank(room is not None):  # every rank is here: the problems above are every rank's
+        raise BaseDirError("flashpoint save skipped on every rank: " + "; ".join(failed)
+                           + ". Make the RAM checkpoint directory writable on that node.")
+    raise OutOfSpaceError(
+        "flashpoint save skipped on every rank: " + "; ".join(failed)
+        + ". If a tmpfs is full: free memory on that node (other jobs' files in /dev/shm?), lower `keep`, "
+        "or give the tmpfs more room."
+    )

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 
+logger = logging.getLogger(__name__)
+
 MAX_DEFAULT_THREADS = 8
+READ_METHODS = ("auto", "map", "pread")
 
 
 def default_copy_threads() -> int:
@@ -16,3 +21,24 @@ def default_copy_threads() -> int:
     if configured:
         return max(1, int(configured))
     return max(1, min(MAX_DEFAULT_THREADS, len(os.sched_getaffinity(0))))
+
+
+def read_method() -> str:
+    """How loads read object files: "auto" (the default), "map" or "pread".
+
+    auto maps files whose pages are huge (cheap to map) and preads the others;
+    FLASHPOINT_READ_METHOD overrides it, e.g. pread to never map an object file (a
+    mapped read takes a SIGBUS handler to survive a file truncated under it).
+    """
+    configured = os.environ.get("FLASHPOINT_READ_METHOD", "auto").strip().lower() or "auto"
+    if configured not in READ_METHODS:
+        # Not an error: loads run between collectives, where one rank must not fail alone.
+        _warn_once(f"FLASHPOINT_READ_METHOD={configured!r} is not one of {', '.join(READ_METHODS)}; using auto. "
+                   "Fix or unset the variable.")
+        return "auto"
+    return configured
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    logger.warning(message)

@@ -20,6 +20,7 @@ import functools
 import logging
 import os
 import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,7 @@ from ml_flashpoint_nemo.core.topology import (
     highest_of_every_rank,
     node_identity,
     problems_of_every_rank,
+    raise_if_any_rank_failed,
 )
 from ml_flashpoint_nemo.core.tuning import default_copy_threads
 from ml_flashpoint_nemo.core.version_files import (
@@ -101,6 +103,10 @@ _SAVE_CANNOT_START = 2  # above "the structure changed" (1) in the all-reduce of
 def _split_checkpoint_dir(checkpoint_dir: str | os.PathLike[str]) -> tuple[CheckpointLayout, str]:
     path = Path(checkpoint_dir).absolute()
     return CheckpointLayout(path.parent), os.fspath(path)
+
+
+# The savers (one per pool) whose pool got a warm buffer for the save after their first one.
+_WARMED_SAVERS: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 class _StagingWriter(MemoryStorageWriter):
@@ -133,7 +139,13 @@ class _StagingWriter(MemoryStorageWriter):
         retire_superseded(self.layout.base_dir, keep=self.keep, rank=self.rank, pool=saver.pool,
                           world_size=dist.get_world_size())
         flat, self.items = resolve_write_items(plan, planner)
+        first = saver not in _WARMED_SAVERS
         self.staged = saver.stage_object(self.step, flat, overwrite=True, defer_checksums=True)
+        if first:
+            # The next save still finds this version committed (it is retired only then), so it needs a
+            # buffer of its own: fault one in now, in the background, rather than while training waits.
+            _WARMED_SAVERS.add(saver)
+            saver.warm_up(self.staged.seal_job.plan.object_nbytes, count=1)
 
     def place_and_report(self) -> list[WriteResult]:
         """Finalize phase on every rank: check the sealed object, move it into the version."""
@@ -229,10 +241,10 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         """Background-write outcomes (a Manager queue); at the first save, all ranks agree the Manager runs."""
         if self._reports is not None:
             return self._reports
-        if self.manager_future is None:
-            self.manager_future = start_manager_warmup()
         error, queue = None, None
-        try:
+        try:  # starting it can fail on this rank alone too (its FLASHPOINT_MANAGER_TIMEOUT_S, no thread left)
+            if self.manager_future is None:
+                self.manager_future = start_manager_warmup()
             queue = wait_for_manager(self.manager_future, what="the first flashpoint save").Queue()
         except Exception as exc:  # noqa: BLE001 - shared with every rank below
             error = f"rank {dist.get_rank()}: {exc}"
@@ -431,13 +443,8 @@ class FlashpointLoadStrategy(TorchDistLoadShardedStrategy):
     """Loads RAM versions saved by FlashpointSaveStrategy through Megatron's usual load flow."""
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path) -> StateDict:
-        reader = self._reader(checkpoint_dir)
-        # Megatron loaded common.pt before calling this strategy: fail the load if it was not the saved one.
-        check_version_files(reader.layout, read_commit(reader.layout, reader.step))
-        metadata = reader.read_metadata()
-        sharded_state_dict, restore_data = apply_nd_flattened_tensors_reformulation(
-            sharded_state_dict, _reformulation_metadata(sharded_state_dict, metadata)
-        )
+        reader, metadata, reformulation = self._checked_on_every_rank(sharded_state_dict, checkpoint_dir)
+        sharded_state_dict, restore_data = apply_nd_flattened_tensors_reformulation(sharded_state_dict, reformulation)
         shape_checked = [t for t in nested_values(sharded_state_dict)
                          if isinstance(t, ShardedTensor) and not t.allow_shape_mismatch]
         shape_flexible = {t.key: t for t in nested_values(sharded_state_dict)
@@ -456,6 +463,26 @@ class FlashpointLoadStrategy(TorchDistLoadShardedStrategy):
         state = _replace_sharded_keys_with_state_dict_keys(state, flat_mapping, rename_mapping)
         _restore_dict_types(state, original)
         return restore_nd_flattened_tensors_formulation(state, restore_data)
+
+    def _checked_on_every_rank(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path
+    ) -> tuple[MemoryStorageReader, Metadata, dict[str, TensorReformulationMetadata]]:
+        """Collective: this rank's reader, the version's metadata and reformulation, checked before DCP's collectives.
+
+        Each node reads its own copy of the version files, so a damaged copy fails on its ranks
+        alone: every rank raises that error, none waits for the others in DCP's planning.
+        """
+        error: Exception | None = None
+        try:
+            reader = self._reader(checkpoint_dir)
+            # Megatron loaded common.pt before calling this strategy: fail the load if it was not the saved one.
+            check_version_files(reader.layout, read_commit(reader.layout, reader.step))
+            metadata = reader.read_metadata()
+            reformulation = _reformulation_metadata(sharded_state_dict, metadata)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank below
+            error = exc
+        raise_if_any_rank_failed(error, f"the RAM checkpoint {os.fspath(checkpoint_dir)} cannot be loaded")
+        return reader, metadata, reformulation
 
     def load_tensors_metadata(self, checkpoint_dir: str | Path, metadata: Metadata | None = None):
         return super().load_tensors_metadata(checkpoint_dir, metadata or self._reader(checkpoint_dir).read_metadata())

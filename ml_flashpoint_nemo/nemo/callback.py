@@ -116,6 +116,8 @@ class FlashpointCallback(Callback):
 
         import torch.distributed as dist
 
+        from ml_flashpoint_nemo.core.topology import problems_of_every_rank
+        from ml_flashpoint_nemo.errors import DurableDrainError
         from ml_flashpoint_nemo.nemo.drain import TEMP_PREFIX, DurableDrain, remove_stale_drains
 
         settings = self.settings
@@ -123,22 +125,35 @@ class FlashpointCallback(Callback):
         token = [uuid.uuid4().hex[:12]]
         if dist.is_initialized():
             dist.broadcast_object_list(token, src=0)
-        durable = Path(settings.durable_dir).absolute()
-        context = durable / f"{TEMP_PREFIX}{token[0]}-context"
-        if trainer.is_global_zero:  # nothing here may raise: the other ranks go on training
-            try:
-                durable.mkdir(parents=True, exist_ok=True)
-                remove_stale_drains(durable, token[0])
-                from nemo.lightning.io.pl import TrainerContext
+        drain: DurableDrain | None = None
+        problem: str | None = None
+        try:  # nothing here may raise on this rank alone: the other ranks would go on training without it
+            durable = Path(settings.durable_dir).absolute()
+            context = durable / f"{TEMP_PREFIX}{token[0]}-context"
+            if trainer.is_global_zero:
+                try:
+                    durable.mkdir(parents=True, exist_ok=True)
+                    remove_stale_drains(durable, token[0])
+                    from nemo.lightning.io.pl import TrainerContext
 
-                TrainerContext.from_trainer(trainer).io_dump(context, yaml_attrs=["model"])
-            except Exception as exc:  # noqa: BLE001 - as NeMo's ModelCheckpoint: a checkpoint without context
-                logger.warning("Could not stage the NeMo context for drained checkpoints in %s: %s", durable, exc)
-        self.drain = DurableDrain(
-            base_dir=settings.base_dir, durable_dir=durable, rank=trainer.global_rank, world_size=trainer.world_size,
-            token=token[0], keep=settings.durable_keep, bytes_per_s=settings.durable_bytes_per_s,
-            timeout_s=settings.durable_timeout_s, context_dir=context,
-        )
+                    TrainerContext.from_trainer(trainer).io_dump(context, yaml_attrs=["model"])
+                except Exception as exc:  # noqa: BLE001 - as NeMo's ModelCheckpoint: a checkpoint without context
+                    logger.warning("Could not stage the NeMo context for drained checkpoints in %s: %s", durable, exc)
+            drain = DurableDrain(
+                base_dir=settings.base_dir, durable_dir=durable, rank=trainer.global_rank,
+                world_size=trainer.world_size, token=token[0], keep=settings.durable_keep,
+                bytes_per_s=settings.durable_bytes_per_s, timeout_s=settings.durable_timeout_s, context_dir=context,
+            )
+        except Exception as exc:  # noqa: BLE001 - raised on every rank below
+            problem = f"rank {trainer.global_rank}: {type(exc).__name__}: {exc}"
+        failed = problems_of_every_rank(problem) if dist.is_initialized() else [p for p in (problem,) if p]
+        if failed:
+            if drain is not None:
+                drain.close()
+            raise DurableDrainError("the durable drain cannot start on every rank, so training does not start: "
+                                    + "; ".join(failed) + ". Fix the RAM or durable checkpoint directory of that "
+                                    "rank, or run without durable_every_n_steps.")
+        self.drain = drain
         self._drained_up_to = trainer.global_step
         if settings.preemption_signal is not None:
             from ml_flashpoint_nemo.nemo.settings import preemption_signal_number
@@ -218,8 +233,13 @@ class FlashpointCallback(Callback):
         service = getattr(self.io.flashpoint_strategy, "replication", None)
         if service is None or not service.enabled or not dist.is_initialized():
             return {}
+        try:
+            mine = service.progress()
+        except Exception as exc:  # noqa: BLE001 - counted as under-replicated; every rank must reach the gather
+            logger.warning("Cannot tell the replication progress of this rank (%s: %s)", type(exc).__name__, exc)
+            mine = (None, True)
         everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, service.progress())
+        dist.all_gather_object(everyone, mine)
         replicated = [-1 if newest is None else newest for newest, _ in everyone]
         return {"flashpoint/replicated_step": float(min(replicated)),
                 "flashpoint/under_replicated_ranks": float(sum(1 for _, failed in everyone if failed))}

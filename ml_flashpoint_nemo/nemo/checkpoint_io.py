@@ -132,9 +132,19 @@ class FlashpointCheckpointIO(AsyncFinalizableCheckpointIO):
         self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options)
 
     def load_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        if not self.is_ram_path(path):
+            return self.checkpoint_io.load_checkpoint(path, *args, **kwargs)
         # A RAM version's metadata.json names the flashpoint load strategy, which Megatron picks.
-        target = innermost_checkpoint_io(self.checkpoint_io) if self.is_ram_path(path) else self.checkpoint_io
-        return target.load_checkpoint(path, *args, **kwargs)
+        # Every rank reads all it needs from its own node's tmpfs (recovery put every object there):
+        # NeMo's parallel load (ckpt_parallel_load, on by default) would read a part on each rank and
+        # send the rest over the process group, far slower than a local copy.
+        inner = innermost_checkpoint_io(self.checkpoint_io)
+        parallel_load = getattr(inner, "parallel_load", False)
+        inner.parallel_load = False
+        try:
+            return inner.load_checkpoint(path, *args, **kwargs)
+        finally:
+            inner.parallel_load = parallel_load
 
     def remove_checkpoint(self, path: Any) -> None:
         if not self.is_ram_path(path):
@@ -161,14 +171,13 @@ class FlashpointCheckpointIO(AsyncFinalizableCheckpointIO):
 
     def _save_to_ram(self, checkpoint: dict[str, Any], path: Any, options: dict[str, Any]) -> None:
         step = step_of_checkpoint_id(self.layout, path)
-        try:
-            check_room_on_every_rank(self.layout.base_dir)  # collective: a full tmpfs skips the save everywhere
-        except OutOfSpaceError as exc:
+        directory = self.layout.version_dir(step)
+        try:  # collective: a full tmpfs, or a version directory one rank cannot create, skips the save everywhere
+            check_room_on_every_rank(self.layout.base_dir, version_dir=directory)
+        except (OutOfSpaceError, BaseDirError) as exc:
             logger.error("Flashpoint save of step %d skipped, training continues: %s", step, exc)
             self.outcomes.append(SaveOutcome(step=step, staging_s=0.0, error=str(exc)))
             return
-        directory = self.layout.version_dir(step)
-        directory.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
         request = dist_checkpointing.save(
             sharded_state_dict=checkpoint,
@@ -201,8 +210,14 @@ class FlashpointCheckpointIO(AsyncFinalizableCheckpointIO):
         return isinstance(self.checkpoint_io, AsyncFinalizableCheckpointIO)
 
     def _outcome(self, step: int, staging_s: float) -> SaveOutcome:
-        commit = read_commit(self.layout, step)
-        return SaveOutcome(step, staging_s, sum(o.nbytes for o in commit.objects))
+        """A committed save's outcome; never raises (every rank reports the save, between Megatron's collectives)."""
+        try:
+            nbytes = sum(o.nbytes for o in read_commit(self.layout, step).objects)
+        except Exception as exc:  # noqa: BLE001 - the save is committed on every rank: only its size is unknown here
+            logger.warning("Flashpoint save of step %d is committed, but this rank cannot read its commit record to "
+                           "count its bytes (%s: %s); reported as 0 bytes", step, type(exc).__name__, exc)
+            nbytes = 0
+        return SaveOutcome(step, staging_s, nbytes)
 
     def finalize_flashpoint(self, blocking: bool = False) -> bool:
         """Finalize finished RAM saves (collective); blocking: every save in flight, waiting for them.

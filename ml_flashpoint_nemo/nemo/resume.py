@@ -16,9 +16,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 from nemo.lightning.resume import AutoResume
 
+from ml_flashpoint_nemo.errors import FlashpointError
 from ml_flashpoint_nemo.nemo.settings import FlashpointSettings, flashpoint_settings_of
 from ml_flashpoint_nemo.replication.choice import choose_version
 
@@ -44,11 +46,37 @@ class ResumeDecision:
     ram_step: int | None
 
 
-def decide(settings: FlashpointSettings, trainer_path: Any) -> ResumeDecision:
-    """Collective. RAM version if one is complete everywhere and not older than the durable checkpoint."""
+def decide(settings: FlashpointSettings, trainer_path: Any,
+           durable_error: BaseException | None = None) -> ResumeDecision:
+    """Collective. RAM version if one is complete everywhere and not older than the durable checkpoint.
+
+    Every rank takes the same decision from what every rank sees: the durable checkpoint counts
+    only when every rank read the same step from it (else the RAM version is preferred, and with
+    no RAM version every rank raises). durable_error: why this rank's AutoResume found none.
+    """
     choice = choose_version(settings.base_dir)
-    durable = durable_step(trainer_path)
-    if choice.step is not None and (trainer_path is None or durable is None or choice.step >= durable):
+    why_none = None if durable_error is None else f"{type(durable_error).__name__}: {durable_error}"
+    seen: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, (trainer_path is not None, durable_step(trainer_path), why_none))
+    steps = {step for _, step, _ in seen}
+    with_path = {has for has, _, _ in seen}
+    durable = steps.pop() if len(steps) == 1 else None
+    if len(with_path) > 1 or len(steps) > 1:
+        views = "; ".join(f"rank {r}: " + (("unreadable" if step is None else f"step {step}") if has else "none")
+                          for r, (has, step, _) in enumerate(seen))
+        if choice.step is None:
+            raise FlashpointError(f"the ranks do not see the same durable checkpoint ({views}) and no RAM version is "
+                                  "usable; make the durable checkpoint directory readable on every node")
+        logger.warning("The ranks do not see the same durable checkpoint (%s); every rank resumes from RAM step %d",
+                       views, choice.step)
+    if choice.step is None and with_path == {False}:
+        failures = [f"rank {r}: {error}" for r, (_, _, error) in enumerate(seen) if error]
+        if durable_error is not None:
+            raise durable_error  # neither RAM nor durable: NeMo's own message says what to do
+        if failures:
+            raise FlashpointError("no RAM version is usable and NeMo's AutoResume found no durable checkpoint on "
+                                  "other ranks: " + "; ".join(failures))
+    if choice.step is not None and (durable is None or choice.step >= durable):
         return ResumeDecision(choice.path(settings.base_dir), "ram", choice.step)
     if choice.step is not None:
         logger.info("Durable checkpoint %s (step %s) is newer than RAM step %d; resuming from it",
@@ -75,11 +103,8 @@ def install_resume_choice(trainer: Any, settings: FlashpointSettings, *, enabled
     def resume_start(checkpoint_path: Any = None) -> None:
         started = time.perf_counter()
         if trainer._flashpoint_resume_enabled and trainer.state.fn == TrainerFn.FITTING:
-            decision = decide(settings, checkpoint_path)
+            decision = decide(settings, checkpoint_path, getattr(trainer, "_flashpoint_durable_error", None))
             trainer._flashpoint_resume = decision
-            durable_error = getattr(trainer, "_flashpoint_durable_error", None)
-            if decision.source == "none" and durable_error is not None:
-                raise durable_error  # neither RAM nor durable: NeMo's own message says what to do
             checkpoint_path = decision.path
         original(checkpoint_path)
         trainer._flashpoint_restore_seconds = time.perf_counter() - started  # choosing + reading

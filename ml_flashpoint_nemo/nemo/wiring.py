@@ -4,8 +4,9 @@ Both ways in end here: wrap_trainer_with_flashpoint (which finds or makes the ca
 the callback's own setup hook (a recipe that only lists the callback). Nothing here needs
 collectives, so it runs before the process group exists: the strategy's checkpoint IO is
 wrapped, the callback linked to it, the Manager for async saves and this rank's buffer pool
-start warming up in background threads, and the trainer's restore learns to consider RAM
-versions.
+start warming up in background threads, this rank's objects of the newest RAM version are
+checked in another (for the restore's choice), and the trainer's restore learns to consider
+RAM versions.
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ def wire_trainer(
     install_resume_choice(trainer, settings)
     if settings.enabled:
         _start_pool_warmup(settings)
+        if settings.resume:
+            _start_verifying_ahead(settings)
     logger.info("Flashpoint RAM checkpoints every %d steps under %s", settings.every_n_steps, settings.base_dir)
     return wiring
 
@@ -82,13 +85,26 @@ def _rewrap_checkpoint_io_if_replaced(trainer: Any, wiring: FlashpointWiring) ->
         trainer.strategy.checkpoint_io = wiring.io
 
 
+def _launcher_rank() -> int | None:
+    """This process's rank from the launcher's environment (the process group may not exist yet)."""
+    return next((int(os.environ[v]) for v in _RANK_VARIABLES if os.environ.get(v, "").isdigit()), None)
+
+
+def _start_verifying_ahead(settings: FlashpointSettings) -> None:
+    """Check this rank's objects of the newest RAM version in the background, for the restore's choice."""
+    rank = _launcher_rank()
+    if rank is not None:
+        from ml_flashpoint_nemo.replication.preverify import verify_ahead
+
+        verify_ahead(settings.base_dir, rank)
+
+
 def _start_pool_warmup(settings: FlashpointSettings) -> None:
     """Adopt and pre-fault this rank's pool buffers left by an earlier run, in the background.
 
-    The rank comes from the launcher's environment (the process group may not exist yet);
-    without it the first save pre-faults instead.
+    The rank comes from the launcher's environment; without it the first save pre-faults instead.
     """
-    rank = next((int(os.environ[v]) for v in _RANK_VARIABLES if os.environ.get(v, "").isdigit()), None)
+    rank = _launcher_rank()
     if rank is None:
         return
 

@@ -9,6 +9,7 @@ from ml_flashpoint_nemo.replication.placement import (
     DEFAULT_FACTOR,
     effective_factor,
     holder_nodes,
+    push_sources,
     push_targets,
     target_nodes,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "effective_factor",
     "holder_nodes",
     "peer_endpoints",
+    "push_sources",
     "push_targets",
     "target_nodes",
 ]

@@ -6,7 +6,8 @@ Ranks must never resume from different versions, and never from a version with a
 missing or flipped byte. Each rank lists the versions committed on its node; the
 candidates are the steps committed on every node, newest first; for each candidate
 every rank checks that every object is on its node, its own objects (at another world
-size: its share of the node's objects) and the version's files, and the first candidate
+size: its share of the node's objects; objects preverify.verify_ahead already checked in the
+background are not read again) and the version's files, and the first candidate
 that checks out on every rank wins. A version saved by another world size or layout is a
 candidate like any other: the load strategies reshard. Skipped candidates are logged with the reason on
 every rank. Two small all-gathers per candidate, no data moved. When a candidate fails
@@ -24,10 +25,13 @@ from typing import Any
 import torch.distributed as dist
 
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
-from ml_flashpoint_nemo.core.loader import verify_object_file, verify_version
+from ml_flashpoint_nemo.core.loader import verify_object_file
 from ml_flashpoint_nemo.core.topology import NodeTopology, discover_nodes, problems_of_every_rank
+from ml_flashpoint_nemo.core.tuning import default_copy_threads
+from ml_flashpoint_nemo.core.version_files import check_version_files
 from ml_flashpoint_nemo.core.versions import committed_steps, read_commit
-from ml_flashpoint_nemo.errors import CorruptCheckpointError, FlashpointError
+from ml_flashpoint_nemo.errors import CorruptCheckpointError
+from ml_flashpoint_nemo.replication.preverify import verified_ahead
 from ml_flashpoint_nemo.replication.recovery import fetch_missing_from_peers
 
 logger = logging.getLogger(__name__)
@@ -56,7 +60,12 @@ def _local_problem(layout: CheckpointLayout, step: int, topology: NodeTopology) 
         absent = [o.name for o in commit.objects if not layout.object_path(step, o.name).is_file()]
         if absent:
             return f"rank {rank}: {len(absent)} objects are not on this node, e.g. {absent[0]}"
-        verify_version(layout.base_dir, step, ranks=_ranks_to_verify(commit.world_size, topology))
+        check_version_files(layout, commit)
+        ranks = _ranks_to_verify(commit.world_size, topology)
+        for record in commit.objects:
+            path = layout.object_path(step, record.name)
+            if record.rank in ranks and not verified_ahead(layout.base_dir, rank, path, record):
+                verify_object_file(path, record, default_copy_threads())
     except Exception as exc:  # noqa: BLE001 - any failure, not only the expected ones: every rank must reach the gather
         return f"rank {rank}: {type(exc).__name__}: {exc}"
     return None
@@ -83,11 +92,11 @@ def _drop_corrupt_objects_on_every_rank(layout: CheckpointLayout, step: int, top
     one the version stays unusable, as it already was with the corrupt copy.
     """
     dropped, rank = [], topology.rank
-    try:
+    try:  # nothing here may raise on this rank alone: the others wait in the gather below
         commit = read_commit(layout, step)
         mine = _ranks_to_verify(commit.world_size, topology)
         records = [r for r in commit.objects if r.rank in mine]
-    except (FlashpointError, OSError):
+    except Exception:  # noqa: BLE001 - reported by _local_problem; nothing to drop here
         records = []
     for record in records:
         path = layout.object_path(step, record.name)
@@ -101,8 +110,8 @@ def _drop_corrupt_objects_on_every_rank(layout: CheckpointLayout, step: int, top
                 dropped.append(record.name)
             except OSError as unlink_error:  # kept; every rank must still reach the collective below
                 logger.warning("cannot drop %s: %s", path, unlink_error)
-        except (FlashpointError, OSError):
-            continue  # absent or unreadable: reported by _local_problem, left as it is
+        except Exception:  # noqa: BLE001 - absent, unreadable or odd: reported by _local_problem, left as it is
+            continue
     return bool(problems_of_every_rank(", ".join(dropped) or None))
 
 

@@ -3,7 +3,8 @@
 Node i replicates to the next k-1 nodes (i+1, ..., i+k-1, modulo n). Ranks are paired by
 their index within the node: local rank j of node i pushes to local rank j of each target
 node (modulo that node's size, so nodes of unequal size still get every object). With
-k=1, or a single node, nothing is replicated.
+k=1, or a single node, nothing is replicated. Each rank pushes its own objects only, so a
+rank's transfer server admits pushes from push_sources alone, each of its own objects.
 """
 
 from __future__ import annotations
@@ -45,3 +46,14 @@ def holder_nodes(topology: NodeTopology, rank: int, factor: int) -> list[int]:
     """Every node that holds `rank`'s objects once replicated: its own node first."""
     node = topology.node_of_rank[rank]
     return [node] + target_nodes(node, topology.node_count, factor)
+
+
+def push_sources(topology: NodeTopology, rank: int, factor: int) -> list[int]:
+    """The global ranks whose objects `rank`'s server receives (the inverse of push_targets), ascending."""
+    node = topology.node_of_rank[rank]
+    k = effective_factor(factor, topology.node_count)
+    sources = []
+    for d in range(1, k):  # the nodes whose targets include this node
+        source_node = (node - d) % topology.node_count
+        sources += [s for s in topology.ranks_of_node(source_node) if peer_rank(topology, s, node) == rank]
+    return sorted(sources)

@@ -111,7 +111,7 @@ def fetch_missing_from_peers(
             if all(has_commit) and all(p == union for p in present):
                 return step  # nothing to fetch for the newest candidate
             if endpoints is None:
-                endpoints = peer_endpoints(base_dir, config)
+                endpoints = peer_endpoints(base_dir, config, topology=topology)
             failed = problems_of_every_rank(_phase_a(layout, topology, step, has_commit, endpoints, config))
             if not failed:
                 failed = problems_of_every_rank(_phase_b(layout, topology, step, present, endpoints, config))
@@ -163,7 +163,7 @@ def _fetch_version_files(layout: CheckpointLayout, step: int, endpoints: PeerEnd
     directory.mkdir(parents=True, exist_ok=True)
     temporary = temporary_name(COMMIT_NAME)
     base = os.fspath(layout.base_dir)
-    kwargs = config.transfer_kwargs()
+    kwargs = dict(config.transfer_kwargs(), rank=endpoints.rank, peer_rank=source)
     try:
         _core.transfer_fetch(address[0], address[1], endpoints.secret, version_relpath(step, COMMIT_NAME), base,
                              version_relpath(step, temporary), **kwargs)
@@ -225,7 +225,8 @@ def _fetch_object(layout: CheckpointLayout, step: int, record: ObjectRecord, sou
             continue
         try:
             _core.transfer_fetch(address[0], address[1], endpoints.secret, relative, os.fspath(layout.base_dir),
-                                 spare_dir=REPLICA_SPARES, **config.transfer_kwargs())
+                                 spare_dir=REPLICA_SPARES, rank=endpoints.rank, peer_rank=source,
+                                 **config.transfer_kwargs())
             verify_object(path, record)
             return None
         except Exception as exc:  # noqa: BLE001 - next holder, then report

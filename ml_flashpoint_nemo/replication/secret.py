@@ -162,9 +162,16 @@ def _broadcast_secret(rank: int) -> bytes:
             "network, because neither %s nor %s is set. Anyone who can read that network can then push and "
             "fetch RAM checkpoint objects; on a shared cluster set one of them (see docs/security.md).",
             SECRET_FILE_ENV, SECRET_ENV)
-    box: list[Any] = [os.urandom(BROADCAST_SECRET_BYTES) if rank == 0 else None]
+    box: list[Any] = [None]
+    if rank == 0:
+        try:  # never raises on rank 0 alone: the others wait in the broadcast
+            box[0] = os.urandom(BROADCAST_SECRET_BYTES)
+        except Exception as exc:  # noqa: BLE001 - sent instead of the secret, raised on every rank below
+            box[0] = f"rank 0 could not draw a replication secret ({type(exc).__name__}: {exc})"
     dist.broadcast_object_list(box, src=0)
     secret = box[0]
+    if isinstance(secret, str):
+        raise ReplicationSecretError(f"{secret[:500]}; set {SECRET_FILE_ENV} or {SECRET_ENV} for every rank")
     if not isinstance(secret, bytes) or len(secret) != BROADCAST_SECRET_BYTES:
         # Cannot differ between ranks (all got rank 0's object), so every rank raises alike.
         raise ReplicationSecretError("the broadcast replication secret is malformed")

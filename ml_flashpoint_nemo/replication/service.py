@@ -9,12 +9,16 @@ Lifecycle (collective where noted; every rank calls in the same order):
     service.close()                      # stops the thread and the server; no thread or fd left
 
 `start` agrees on the job secret (see replication.secret: from the environment or a secret
-file, checked by a keyed hash; else rank 0 draws one and broadcasts it; never logged) and exchanges every rank's server address with one all_gather_object; each server then admits
+file, checked by a keyed hash; else rank 0 draws one and broadcasts it; never logged) and
+exchanges every rank's server address with one all_gather_object; each server then admits
 connections only from those addresses and this node's loopback (docs/security.md). One
 background thread per rank pushes this rank's objects of each committed version to the
-same-local-rank server of each target node (see placement). A version is "replicated" on a
-rank once every target acknowledged every object; it is replicated for the job once that
-holds on every rank, which `keep_for_next_save` learns with one all_gather_object per save.
+same-local-rank server of each target node (see placement). Peers authenticate as ranks, and
+each server admits only what the placement sends it (transfer_policy): a rank may push its own
+objects to the servers it replicates to, nothing else; any rank may fetch objects and version
+files. A version is "replicated" on a rank once every target acknowledged every object; it is
+replicated for the job once that holds on every rank, which `keep_for_next_save` learns with
+one all_gather_object per save.
 """
 
 from __future__ import annotations
@@ -36,11 +40,20 @@ import torch.distributed as dist
 
 from ml_flashpoint_nemo import _core
 from ml_flashpoint_nemo.core.format import ObjectRecord, whole_object_crc32c
-from ml_flashpoint_nemo.core.layout import REPLICA_SPARES, CheckpointLayout, rank_of_object, spare_name, version_relpath
+from ml_flashpoint_nemo.core.layout import (
+    OBJECT_NAME_PATTERN,
+    PEER_VERSION_FILES,
+    REPLICA_SPARES,
+    VERSION_DIR_PATTERN,
+    CheckpointLayout,
+    rank_of_object,
+    spare_name,
+    version_relpath,
+)
 from ml_flashpoint_nemo.core.topology import NodeTopology
 from ml_flashpoint_nemo.core.versions import committed_steps, read_commit
 from ml_flashpoint_nemo.errors import CorruptCheckpointError, FormatVersionError
-from ml_flashpoint_nemo.replication.placement import DEFAULT_FACTOR, effective_factor, push_targets
+from ml_flashpoint_nemo.replication.placement import DEFAULT_FACTOR, effective_factor, push_sources, push_targets
 from ml_flashpoint_nemo.replication.secret import agree_on_secret
 
 logger = logging.getLogger(__name__)
@@ -48,8 +61,8 @@ logger = logging.getLogger(__name__)
 
 @functools.lru_cache(maxsize=None)
 def _log_mac_backend_once() -> None:
-    """Says once (DEBUG) which HMAC authenticates replication traffic: 'builtin' is slower."""
-    logger.debug("Replication messages are authenticated with HMAC-SHA256 (%s backend)",
+    """Says once (DEBUG) which AES-256-GMAC implementation tags replication traffic ('portable' is slow)."""
+    logger.debug("Replication messages are authenticated with AES-256-GMAC (%s backend)",
                  _core.transfer_mac_backend())
 
 HOST_ENV = "FLASHPOINT_REPLICATION_HOST"
@@ -87,10 +100,18 @@ class ReplicationConfig:
     # pages instead of faulting in fresh ones. None: one version's replicas on this node (what
     # the next version's replicas will need); 0: delete retired replicas as before.
     spare_bytes: int | None = None
+    # Once its data flows, a transfer (either side) must average at least this many bytes/s after
+    # its first rate_grace_s seconds (None: io_timeout_s), else it ends: a stuck or hostile peer
+    # frees its worker. 0: no floor.
+    min_rate_bytes_per_s: int = 1 << 20
+    rate_grace_s: float | None = None
+    # Bytes a push into this node must leave free for the node's own saves (None: 1/32 of its file system).
+    space_margin_bytes: int | None = None
 
     def transfer_kwargs(self) -> dict[str, Any]:
         return {"connect_timeout_s": self.connect_timeout_s, "io_timeout_s": self.io_timeout_s,
-                "retries": self.retries, "backoff_s": self.backoff_s}
+                "retries": self.retries, "backoff_s": self.backoff_s,
+                "min_rate_bytes_per_s": self.min_rate_bytes_per_s, "rate_grace_s": self.rate_grace_s}
 
 
 @dataclass(frozen=True)
@@ -121,12 +142,13 @@ def advertised_host(option: str | None = None) -> str:
 
 
 class PeerEndpoints:
-    """This rank's running TransferServer, the job secret and every rank's (host, port) or None."""
+    """This rank's running TransferServer, the job secret, this rank and every rank's (host, port) or None."""
 
-    def __init__(self, server: Any, secret: bytes, addresses: list[tuple[str, int] | None]) -> None:
+    def __init__(self, server: Any, secret: bytes, addresses: list[tuple[str, int] | None], rank: int) -> None:
         self.server = server
         self.secret = secret
         self.addresses = addresses
+        self.rank = rank
 
     def close(self) -> None:
         if self.server is not None:
@@ -134,13 +156,27 @@ class PeerEndpoints:
             self.server = None
 
 
-def peer_endpoints(base_dir: str | os.PathLike[str], config: ReplicationConfig | None = None) -> PeerEndpoints:
+def transfer_policy(topology: NodeTopology, factor: int | None) -> Any:
+    """What peers may do on this rank's transfer server (a _core.TransferPolicy).
+
+    Push: the ranks the placement says replicate to this rank (factor None: none), each only its
+    own objects, in the layout's names. Fetch: any rank of the job, objects and version files.
+    """
+    pushers = {} if factor is None else {source: [source] for source in push_sources(topology, topology.rank, factor)}
+    return _core.TransferPolicy(world_size=len(topology.node_of_rank), own_ranks=topology.ranks_of_node(topology.node),
+                                pushers=pushers, version_dir_pattern=VERSION_DIR_PATTERN,
+                                object_name_pattern=OBJECT_NAME_PATTERN, version_files=list(PEER_VERSION_FILES))
+
+
+def peer_endpoints(base_dir: str | os.PathLike[str], config: ReplicationConfig | None = None, *,
+                   topology: NodeTopology, receive_pushes: bool = False) -> PeerEndpoints:
     """Collective: agree on a fresh job secret, start this rank's server on base_dir, exchange addresses.
 
     The secret comes from replication.secret (the environment or a secret file, else a c10d
     broadcast); a rank whose server cannot start is listed as None (peers then treat it as
     unreachable), the reason logged on that rank. The same collectives on every rank and path;
     a secret problem raises ReplicationSecretError on every rank before any server starts.
+    receive_pushes: the server admits the pushes of config.factor's placement (else fetches only).
     """
     config = config or ReplicationConfig()
     secret = agree_on_secret()
@@ -149,9 +185,13 @@ def peer_endpoints(base_dir: str | os.PathLike[str], config: ReplicationConfig |
         Path(base_dir).mkdir(parents=True, exist_ok=True)
         host = advertised_host(config.host)
         _log_mac_backend_once()
+        policy = transfer_policy(topology, config.factor if receive_pushes else None)
         server = _core.TransferServer(os.fspath(base_dir), secret, host=host, port=config.port,
                                       max_connections=config.max_connections, io_timeout_s=config.io_timeout_s,
-                                      spare_dir=REPLICA_SPARES)
+                                      spare_dir=REPLICA_SPARES, rank=topology.rank, policy=policy,
+                                      min_rate_bytes_per_s=config.min_rate_bytes_per_s,
+                                      rate_grace_s=config.rate_grace_s,
+                                      space_margin_bytes=config.space_margin_bytes)
         address = (host, server.port)
     except Exception as exc:  # noqa: BLE001 - peers learn this rank is unreachable through the gather
         logger.warning("Rank %d: the replication transfer server did not start: %s: %s",
@@ -165,7 +205,7 @@ def peer_endpoints(base_dir: str | os.PathLike[str], config: ReplicationConfig |
         except Exception as exc:  # noqa: BLE001 - the server then keeps admitting any address
             logger.warning("Rank %d: the replication transfer server admits any address (the allow-list of the "
                            "job's peers could not be set: %s: %s)", dist.get_rank(), type(exc).__name__, exc)
-    return PeerEndpoints(server, secret, gathered)
+    return PeerEndpoints(server, secret, gathered, topology.rank)
 
 
 def allowed_peer_addresses(hosts: Iterable[str]) -> list[str]:
@@ -220,6 +260,7 @@ class ReplicationService:
         self.rank = topology.rank
         self.enabled = endpoints is not None
         self.targets = push_targets(topology, self.rank, config.factor) if self.enabled else []
+        self.sources = set(push_sources(topology, self.rank, config.factor)) if self.enabled else set()
         self._endpoints = endpoints
         self._status: dict[int, ReplicationStatus] = {}
         self._newest_replicated: int | None = None
@@ -227,10 +268,18 @@ class ReplicationService:
         self._closing = False
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._no_pushes: str | None = None  # why this rank pushes nothing (its versions count as under-replicated)
         if self.enabled:
             self._thread = threading.Thread(target=self._run, name=f"flashpoint-replication-{self.rank}", daemon=True)
-            self._thread.start()
-            _RUNNING.add(self)
+            try:  # never raises on this rank alone: every rank gathers in keep_for_next_save next
+                self._thread.start()
+            except RuntimeError as exc:  # "can't start new thread": out of threads or memory on this node
+                self._thread = None
+                self._no_pushes = f"rank {self.rank}'s replication thread did not start ({exc})"
+                logger.error("%s; its RAM checkpoints stay under-replicated and the previous version is kept",
+                             self._no_pushes)
+            else:
+                _RUNNING.add(self)
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -248,7 +297,7 @@ class ReplicationService:
         if effective_factor(config.factor, topology.node_count) < 2:
             _say_off_once(f"replication factor {config.factor}")
             return cls(base_dir, topology, config, None)
-        endpoints = peer_endpoints(base_dir, config)
+        endpoints = peer_endpoints(base_dir, config, topology=topology, receive_pushes=True)
         service = cls(base_dir, topology, config, endpoints)
         if topology.rank == 0:
             logger.info("RAM checkpoint replication on: %d nodes, factor %d (node i -> nodes i+1..i+%d mod %d)",
@@ -294,10 +343,31 @@ class ReplicationService:
         """Queue a committed version for pushing; never blocks."""
         if not self.enabled:
             return
+        self._expect_pushes(step)
         with self._cv:
+            if self._no_pushes is not None:
+                self._set(ReplicationStatus(step, UNDER_REPLICATED, {p: self._no_pushes for p in self.targets}))
+                return
             self._status[step] = ReplicationStatus(step, PENDING)
             self._pending.append(step)
             self._cv.notify_all()
+
+    def _expect_pushes(self, step: int) -> None:
+        """Tell this rank's server the sizes, from this node's commit record, of the objects its sources push for step.
+
+        Best effort: without them (an unreadable record, a push that arrives first) the server checks
+        its size cap only.
+        """
+        server = self.server
+        if server is None or not self.sources:
+            return
+        try:
+            commit = read_commit(self.layout, step)
+            server.expect_sizes(step, {version_relpath(step, o.name): o.nbytes
+                                       for o in commit.objects if o.rank in self.sources})
+        except Exception as exc:  # noqa: BLE001 - only a tighter check is lost
+            logger.debug("Rank %d: the sizes of step %d's incoming replicas are not known (%s: %s)",
+                         self.rank, step, type(exc).__name__, exc)
 
     def replication_status(self, step: int) -> ReplicationStatus:
         if not self.enabled:
@@ -424,14 +494,14 @@ class ReplicationService:
                     failed[peer] = f"rank {peer}: the replication service closed first"
                     break
                 try:
-                    pushed += self._push_object(address, step, record)
+                    pushed += self._push_object(address, peer, step, record)
                 except Exception as exc:  # noqa: BLE001 - reported through the status
                     failed[peer] = f"rank {peer} at {address[0]}:{address[1]}: {type(exc).__name__}: {exc}"
                     break
         state = UNDER_REPLICATED if failed else REPLICATED
         return ReplicationStatus(step, state, failed, pushed, time.monotonic() - started)
 
-    def _push_object(self, address: tuple[str, int], step: int, record: ObjectRecord) -> int:
+    def _push_object(self, address: tuple[str, int], peer: int, step: int, record: ObjectRecord) -> int:
         """Push the object's nbytes only: a reused pool buffer may be longer than the object it holds.
 
         The object's CRC32C is derived from its index, so the data is only sendfile()d, never
@@ -445,7 +515,8 @@ class ReplicationService:
             try:
                 result = _core.transfer_push_fd(address[0], address[1], self._endpoints.secret, fd,
                                                 version_relpath(step, record.name), length=record.nbytes,
-                                                crc32c=known_crc, **self.config.transfer_kwargs())
+                                                crc32c=known_crc, rank=self.rank, peer_rank=peer,
+                                                **self.config.transfer_kwargs())
             except _core.TransferChecksumError as exc:
                 if known_crc is None:
                     raise

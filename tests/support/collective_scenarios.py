@@ -38,7 +38,7 @@ def keep_after_a_local_failure(p: dict[str, Any]) -> None:
             with peer.connect(host, port, timeout=5) as sock:
                 session = peer.client_handshake(sock, service._endpoints.secret)
                 session.send_request(peer.OP_FETCH, b"step-1/\xff\nforged", 0)
-                assert session.recv_response()[0] == peer.NOT_FOUND
+                assert session.recv_response()[0] == peer.FORBIDDEN  # not a name of the layout
         if dist.get_rank() == 1 and p["failure"] == "listing":
             def broken(layout: Any) -> list[int]:
                 raise PermissionError(13, "Permission denied", os.fspath(layout.base_dir))
@@ -108,11 +108,29 @@ def choose_after_an_unexpected_check_failure(p: dict[str, Any]) -> None:
     if dist.get_rank() == 1:
         def broken(*args: Any, **kwargs: Any) -> None:
             raise ValueError("an unexpected failure in the version check")
-        recovery.verify_version = broken
+        recovery.verify_object_file = broken
     print(f"CHOSEN {recovery.choose_version(base).step}", flush=True)
+
+
+def problems_reach_every_rank(p: dict[str, Any]) -> None:
+    """problems_of_every_rank with no problem anywhere, then with one on rank 1; counts the gathers."""
+    from ml_flashpoint_nemo.core import topology
+
+    gathers = []
+    gather = dist.all_gather_object
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        gathers.append(1)
+        return gather(*args, **kwargs)
+
+    dist.all_gather_object = counted
+    none = topology.problems_of_every_rank(None)
+    print(f"NONE {none} GATHERS {len(gathers)}", flush=True)
+    one = topology.problems_of_every_rank("rank 1: disk full" if dist.get_rank() == 1 else None)
+    print(f"ONE {one} GATHERS {len(gathers)}", flush=True)
 
 
 if __name__ == "__main__":
     scenario_main({f.__name__: f for f in (keep_after_a_local_failure, agree_on_secret,
                                            choose_after_a_listing_failure, choose_after_an_inventory_failure,
-                                           choose_after_an_unexpected_check_failure)})
+                                           choose_after_an_unexpected_check_failure, problems_reach_every_rank)})

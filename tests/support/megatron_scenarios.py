@@ -24,7 +24,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (  # noqa
 )
 
 from ml_flashpoint_nemo.core import committed_steps  # noqa: E402
-from ml_flashpoint_nemo.core.layout import CheckpointLayout  # noqa: E402
+from ml_flashpoint_nemo.core.layout import CheckpointLayout, object_name  # noqa: E402
 from ml_flashpoint_nemo.core.sync_manager import start_manager_warmup  # noqa: E402
 from ml_flashpoint_nemo.core.version_files import MEGATRON_CONFIG_BYTES, MEGATRON_CONFIG_NAME  # noqa: E402
 from ml_flashpoint_nemo.megatron import FlashpointLoadStrategy, FlashpointSaveStrategy  # noqa: E402
@@ -172,6 +172,29 @@ def plan_reused_only_while_structure_is_unchanged(p: dict[str, Any]) -> None:
     loaded = dist_checkpointing.load(template, os.path.join(p["base"], "step-3"), sharded_strategy=load_strategy(p))
     check_loaded(loaded, 3)
     assert torch.equal(loaded["extra"], torch.full((5,), 7.0)), loaded["extra"]
+
+
+def second_save_reuses_a_buffer_warmed_after_the_first(p: dict[str, Any]) -> None:
+    """The first save leaves a warm pool buffer behind: the second save (the first version still committed)
+    stages into that file, not into a new one whose pages it would fault in while training waits."""
+    strategy = save_strategy(p)
+    save(p, 1, None, strategy)
+    layout, rank = CheckpointLayout(p["base"]), dist.get_rank()
+    object_nbytes = (layout.version_dir(1) / object_name(rank)).stat().st_size
+    deadline = time.monotonic() + 60
+    while True:
+        warm = [b.stat() for b in layout.pool_dir(rank).glob("buf-*") if b.stat().st_size >= object_nbytes]
+        if warm:
+            break
+        assert time.monotonic() < deadline, f"no pool buffer of >= {object_nbytes} bytes 60 s after the first save"
+        time.sleep(0.05)
+    save(p, 2, None, strategy)
+    placed = (layout.version_dir(2) / object_name(rank)).stat()
+    assert (placed.st_dev, placed.st_ino) == (warm[0].st_dev, warm[0].st_ino), "the second save made a new buffer"
+    assert committed_steps(layout) == [1, 2]
+    check_loaded(load(p, 2), 2)
+    print("WARM BUFFER REUSED", flush=True)
+    strategy.close()
 
 
 def failed_background_write_fails_every_rank(p: dict[str, Any]) -> None:
@@ -426,6 +449,42 @@ def choose(p: dict[str, Any]) -> None:
     print("CHOSEN", choose_version(node_base(p)).step, flush=True)
 
 
+def choose_after_verifying_ahead(p: dict[str, Any]) -> None:
+    """Each rank checks its objects of the newest version ahead; rank 1's object of step 2 may be flipped
+    (p["flip"]: "before" that check or "after" it). Prints the choice and how many objects it read itself."""
+    from ml_flashpoint_nemo.replication import choice, preverify
+
+    base, rank = node_base(p), dist.get_rank()
+    step_2 = Path(base) / "step-2"
+
+    def flip() -> None:
+        dist.barrier()
+        if rank == 1:
+            target = step_2 / object_name(1)
+            data = bytearray(target.read_bytes())
+            data[80] ^= 0x10  # inside the first record
+            target.write_bytes(bytes(data))
+        dist.barrier()
+
+    if p["flip"] == "before":
+        flip()
+    preverify.verify_ahead(base, rank)
+    record = next(o for o in choice.read_commit(CheckpointLayout(base), 2).objects if o.rank == rank)
+    passed = preverify.verified_ahead(base, rank, step_2 / record.name, record)  # waits for the check
+    print("PASSED AHEAD", passed, flush=True)
+    if p["flip"] == "after":
+        flip()
+    reads = []
+    verify = choice.verify_object_file
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        reads.append(args[0])
+        return verify(*args, **kwargs)
+
+    choice.verify_object_file = counted
+    print("CHOSEN", choice.choose_version(base).step, "READ", len(reads), flush=True)
+
+
 def manager_failure_fails_first_save_everywhere(p: dict[str, Any]) -> None:
     expect_failure(lambda: save(p, 1, AsyncCallsQueue(persistent=False)), "SAVE FAILED")
 
@@ -469,10 +528,12 @@ def only_common_state_round_trips_as_with_torch_dist(p: dict[str, Any]) -> None:
 if __name__ == "__main__":
     scenario_main({f.__name__: f for f in (roundtrip, save_then_corrupt_is_refused, interrupted_config_rewrite_is_repaired,
                                            failed_background_write_fails_every_rank,
+                                           second_save_reuses_a_buffer_warmed_after_the_first,
                                            manager_failure_fails_first_save_everywhere,
                                            plan_reused_only_while_structure_is_unchanged,
                                            overlapping_saves_each_get_their_report,
                                            common_state_on_every_node, failed_node_copy_fails_every_rank, choose,
+                                           choose_after_verifying_ahead,
                                            close_commits_the_saves_after_a_failed_one,
                                            dead_persistent_worker_drops_its_saves_everywhere,
                                            saves_fork_until_the_persistent_worker_is_up,

@@ -114,6 +114,19 @@ def main() -> None:
                     time.sleep(0.005)
                 os.kill(os.getpid(), signal.SIGKILL)
 
+    # How many loads went through Megatron's fully parallel load (each rank reads a part and the ranks
+    # exchange the rest): a spy around the real method, which still runs.
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+
+    parallel_loads = []
+    fully_parallel_load = FullyParallelLoadStrategyWrapper.load
+
+    def counted_load(self: Any, *load_args: Any, **load_kwargs: Any) -> Any:
+        parallel_loads.append(1)
+        return fully_parallel_load(self, *load_args, **load_kwargs)
+
+    FullyParallelLoadStrategyWrapper.load = counted_load
+
     recorder = tiny_gpt.LossRecorder()
     callbacks: list[Any] = [recorder] + ([KillAfter()] if args.kill_at else [])
     if args.drain_every:
@@ -155,6 +168,7 @@ def main() -> None:
         "resumed_path": str(decision.path) if decision and decision.path else None,
         "saves": flashpoint.callback.saves if flashpoint else [],
         "ckpt_path": str(trainer.ckpt_path) if trainer.ckpt_path else None,
+        "parallel_loads": len(parallel_loads),
     }
     out = Path(args.out)
     (out / "result.json").write_text(json.dumps(result))

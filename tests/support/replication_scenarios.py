@@ -20,7 +20,8 @@ cpu_shims.install_for_checkpointing()
 import psutil  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from ml_flashpoint_nemo.core.layout import CheckpointLayout  # noqa: E402
+from ml_flashpoint_nemo import _core  # noqa: E402
+from ml_flashpoint_nemo.core.layout import CheckpointLayout, object_name, version_relpath  # noqa: E402
 from ml_flashpoint_nemo.core.versions import committed_steps  # noqa: E402
 from ml_flashpoint_nemo.megatron import FlashpointSaveStrategy  # noqa: E402
 from ml_flashpoint_nemo.replication import ReplicationConfig  # noqa: E402
@@ -59,12 +60,32 @@ def replicate(p: dict[str, Any]) -> None:
         dist.barrier()  # every rank's pushes of this step are done before the next save
     newest, failed = strategy.replication.progress()
     print(f"PROGRESS newest={newest} failed={failed}", flush=True)
+    _push_over_the_targets_own_object(strategy.replication, p["steps"][-1])
+    dist.barrier()  # no server closes before every rank has tried
     addresses = strategy._replication.addresses
     print(f"ADDRESSES {addresses}", flush=True)
     print(f"COMMITTED {committed_steps(CheckpointLayout(node_base(p)))}", flush=True)
     strategy.close()
     threads = [t.name for t in __import__("threading").enumerate() if t.name.startswith("flashpoint-replication")]
     assert not threads, threads
+
+
+def _push_over_the_targets_own_object(service: Any, step: int) -> None:
+    """A buggy member: this rank pushes its object of step under the name of its target's own object.
+
+    The target's server (started by the replication service) must refuse it; prints the outcome."""
+    if not service.targets or service.addresses[service.targets[0]] is None:
+        return
+    target = service.targets[0]
+    host, port = service.addresses[target]
+    with open(service.layout.object_path(step, object_name(service.rank)), "rb") as f:
+        try:
+            _core.transfer_push_fd(host, port, service._endpoints.secret, f.fileno(),
+                                   version_relpath(step, object_name(target)), rank=service.rank, peer_rank=target,
+                                   retries=0, io_timeout_s=5.0)
+            print("FOREIGN PUSH ACCEPTED", flush=True)
+        except _core.TransferError as exc:
+            print(f"FOREIGN PUSH {type(exc).__name__}: {exc}", flush=True)
 
 
 def restart_load(p: dict[str, Any]) -> None:

@@ -11,12 +11,13 @@ import pytest
 
 
 @contextmanager
-def mounted_tmpfs(mount_point: Path, size: str) -> Iterator[Path]:
-    """Mount a tmpfs of `size` (e.g. "8m") at mount_point for the block; skips the test without root."""
+def mounted_tmpfs(mount_point: Path, size: str, options: str = "") -> Iterator[Path]:
+    """Mount a tmpfs of `size` (e.g. "8m", more mount options in `options`, e.g. "huge=advise") at
+    mount_point for the block; skips the test without root."""
     mount_point.mkdir(parents=True, exist_ok=True)
     try:
-        result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)],
-                                capture_output=True, text=True)
+        result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}" + (f",{options}" if options else ""),
+                                 "tmpfs", str(mount_point)], capture_output=True, text=True)
     except FileNotFoundError:
         pytest.skip("no mount command here; out-of-space tests need a real small tmpfs")
     if result.returncode != 0:
