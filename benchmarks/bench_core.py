@@ -224,7 +224,7 @@ def timed(action: Callable[[], Any], setup: Callable[[], Any] | None = None) -> 
     return run_once
 
 
-def median_of_runs(name: str, run_once: Callable[[], Sample], runs: int, nbytes: int, **extra: Any) -> Result:
+def median_of_runs(name: str, run_once: Callable[[], Sample] | Callable[[], float], runs: int, nbytes: int, **extra: Any) -> Result:
     samples = [run_once() for _ in range(runs)]
     return _reported(_result(name, samples, nbytes, extra))
 
@@ -241,9 +241,12 @@ def medians_interleaved(runs: int, nbytes: int, **run_once: Callable[[], Sample]
     return [_reported(_result(name, samples[name], nbytes, {})) for name in names]
 
 
-def _result(name: str, samples: list[Sample], nbytes: int, extra: dict[str, Any]) -> Result:
-    walls = [wall for wall, _ in samples]
-    return Result(name, statistics.median(walls), walls, nbytes, extra, [cpu for _, cpu in samples])
+def _result(name: str, samples: list[Sample] | list[float], nbytes: int, extra: dict[str, Any]) -> Result:
+    """A run that measured wall-clock seconds only (a float, e.g. one timed in a child) has no CPU figure."""
+    pairs = [sample if isinstance(sample, tuple) else (sample, None) for sample in samples]
+    walls = [wall for wall, _ in pairs]
+    cpus = [cpu for _, cpu in pairs if cpu is not None]
+    return Result(name, statistics.median(walls), walls, nbytes, extra, cpus if len(cpus) == len(pairs) else [])
 
 
 def _reported(result: Result) -> Result:
