@@ -24,7 +24,7 @@ import pytest
 from ml_flashpoint_nemo import _core
 from ml_flashpoint_nemo.core.layout import object_name, version_relpath
 from ml_flashpoint_nemo.core.topology import NodeTopology
-from ml_flashpoint_nemo.replication.service import transfer_policy
+from ml_flashpoint_nemo.replication.service import LOOPBACK_PEERS, allowed_peer_addresses, is_loopback, transfer_policy
 from tests.support import transfer_peer as peer
 from tests.support.flood import SLOW_BYTES, Flood
 from tests.support.multiproc import run_world
@@ -413,9 +413,49 @@ def test_allowed_peers_argument(dirs):
 # --- the replication service ------------------------------------------------------------------
 
 
+NODE_ADDRESSES = ["10.11.0.5", "10.11.0.6", "fd00:11::7"]  # a job's nodes on their network (never this host)
+
+
+def test_loopback_is_allowed_only_when_the_job_advertises_loopback():
+    """A blanket loopback allow would let any local user of a shared node in; only single-node jobs need it."""
+    assert allowed_peer_addresses(NODE_ADDRESSES) == sorted(NODE_ADDRESSES)
+    for loopback in ("127.0.0.3", "127.0.1.1", "::1", "::ffff:127.0.0.9", "localhost"):
+        allowed = allowed_peer_addresses([*NODE_ADDRESSES, loopback])
+        assert set(LOOPBACK_PEERS) <= set(allowed) and set(NODE_ADDRESSES) <= set(allowed), (loopback, allowed)
+    assert allowed_peer_addresses(["127.0.0.3", "127.0.0.4"]) == ["127.0.0.1", "127.0.0.3", "127.0.0.4", "::1"]
+    assert [a for a in ("127.0.0.1", "127.255.0.1", "::1", "::ffff:127.0.0.1") if not is_loopback(a)] == []
+    assert [a for a in ("10.0.0.1", "fd00::1", "::ffff:10.0.0.1", "0.0.0.0", "::", "node-1") if is_loopback(a)] == []
+
+
+@pytest.mark.parametrize("source", ["127.0.0.1", "::1"])
+def test_loopback_is_refused_when_the_job_lists_only_node_addresses(dirs, source):
+    """The list the service builds for a job of node addresses: a local process on loopback is refused at accept()."""
+    base, client = dirs
+    family = socket.AF_INET6 if ":" in source else socket.AF_INET
+    with _core.TransferServer(base, SECRET, host=source, io_timeout_s=5.0,
+                              allowed_peers=allowed_peer_addresses(NODE_ADDRESSES)) as srv:
+        assert not any(is_loopback(a) for a in srv.allowed_peers), srv.allowed_peers
+        with socket.socket(family, socket.SOCK_STREAM) as local:
+            local.bind((source, 0))
+            local.connect((source, srv.port))
+            assert closed_without_a_word(local)
+        write_object(client, "o.fpo", b"x")
+        with pytest.raises(_core.TransferError):
+            _core.transfer_push(source, srv.port, SECRET, client, "o.fpo", retries=0)
+        stats = wait_for(srv, "two refusals", lambda s: s["rejected_not_allowed"] == 2)
+        assert stats["handshakes_ok"] == 0 and not (base / "o.fpo").exists(), stats
+        # The same job with one rank on loopback (a single-node run) lets this node's loopback in.
+        srv.allowed_peers = allowed_peer_addresses([*NODE_ADDRESSES, "127.0.0.3"])
+        _core.transfer_push(source, srv.port, SECRET, client, "o.fpo", retries=0)
+        assert (base / "o.fpo").read_bytes() == b"x"
+
+
 @pytest.mark.parametrize("restrict", [True, False])
-def test_the_service_admits_the_gathered_addresses_and_loopback_only(shm_dir, restrict):
-    """Two ranks bound to 127.0.0.3 and 127.0.0.4 push to each other; a stranger at 127.0.0.2 is refused."""
+def test_the_service_admits_the_gathered_addresses_only(shm_dir, restrict):
+    """Two ranks bound to 127.0.0.3 and 127.0.0.4 push to each other; a stranger at 127.0.0.2 is refused.
+
+    The ranks advertise loopback addresses (one node), so the list also holds 127.0.0.1 and ::1.
+    """
     outputs = run_world("admission_scenarios", "allow_list_of_the_job", 2,
                         {"root": str(shm_dir), "restrict": restrict}, timeout=90)
     for rank, out in enumerate(outputs):
