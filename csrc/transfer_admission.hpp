@@ -1,5 +1,5 @@
 // Admission stage of the transfer server: everything between accept() and an authenticated
-// connection, so that peers without the job secret never occupy a transfer worker.
+// connection, so that peers that do not prove a rank of the job never occupy a transfer worker.
 //
 // One thread (the server's accept thread) accepts, refuses addresses outside the job's
 // allow-list before reading or writing a byte, caps the connections per address, and drives the
@@ -7,7 +7,9 @@
 // (xfer::ServerHandshake does the cryptography). Each handshake has a budget counted from
 // accept(); the number of connections in the stage is capped, and when it is full a new
 // connection displaces the oldest handshake of the address that holds the most. Only a
-// connection whose client proof checked out is handed to the workers, with its session.
+// connection whose client proved its rank (protocol v3, below the job's rank limit) is handed
+// to the workers, with its session and that rank (Admitted), by which the worker's policy
+// decides every request.
 #pragma once
 
 #include <array>
