@@ -10,7 +10,9 @@
 // temporary file next to the destination (a spare file renamed there when a spare directory
 // holds one, so its tmpfs pages are reused), checks length and CRC32C, fsyncs and only then
 // renames it into place. The wire format is described in docs/protocol.md; every length field
-// is bounded and every wait has a timeout.
+// is bounded and every wait has a timeout. Connections are admitted by one thread that checks the
+// peer's address and runs the handshake (transfer_admission.hpp); only authenticated connections
+// reach the worker threads (docs/security.md, "Availability").
 #pragma once
 
 #include <atomic>
@@ -23,6 +25,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace flashpoint {
@@ -32,7 +35,10 @@ class SpaceLedger;       // transfer_space.hpp: space reserved by receptions in 
 class TransferPolicy;    // transfer_policy.hpp: who may push and fetch what
 class ExpectedSizes;     // transfer_policy.hpp: object sizes from this node's commit records
 namespace xfer {
-class Channel;  // transfer_wire.hpp: one connection with bounded waits
+class Channel;    // transfer_wire.hpp: one connection with bounded waits
+class Admission;  // transfer_admission.hpp: accept, allow-list, per-address cap, handshakes
+struct Admitted;  // an authenticated connection handed to a worker
+class ErrorLog;   // transfer_error_log.hpp: the bounded, rate-limited errors()
 }
 
 // --- errors (the bindings map each to a Python exception class of the same name) ----------
@@ -157,9 +163,17 @@ struct TransferServerConfig {
   std::string secret;
   std::string host = "127.0.0.1";
   int port = 0;
-  int max_connections = 4;       // worker threads; connections beyond them wait in a bounded queue
+  int max_connections = 4;       // worker threads; authenticated connections beyond them wait in a bounded queue
   int max_pending = 0;           // queued connections beyond the workers (0: 4 * max_connections)
   double io_timeout_s = 30.0;
+  // Admission (transfer_admission.hpp): handshakes run in the accept thread, never on a worker.
+  double handshake_timeout_s = 5.0;   // from accept() to the client's proof checked
+  int max_handshakes = 64;            // connections in the handshake stage at once
+  int max_connections_per_peer = 32;  // per peer address, handshaking, queued or served
+  // Peer addresses allowed to connect (numeric IPv4/IPv6); others are closed at accept(), before
+  // a byte is read or written. allow_any_peer: every address (the list is ignored).
+  bool allow_any_peer = true;
+  std::vector<std::string> allowed_peers;
   uint64_t max_object_bytes = kTransferDefaultMaxObjectBytes;
   // Directory (relative to base_dir) of spare files: retired replicas whose tmpfs pages a push
   // overwrites instead of allocating fresh ones. Empty: none. Missing: none for now.
@@ -187,18 +201,19 @@ class TransferServer {
   // Closes the listener and every connection, joins every thread. Idempotent.
   void stop();
   // Errors raised in the service threads since the last call (oldest first), then cleared.
+  // Errors about connections that did not authenticate are rate-limited (transfer_error_log.hpp).
   std::vector<std::string> take_errors();
   std::map<std::string, uint64_t> stats() const;
   // Object sizes this node's commit record of step lists (relative path -> bytes): a push of one
   // of them must announce exactly that size, and a push into step of another path is refused.
   void expect_sizes(uint64_t step, std::map<std::string, uint64_t> sizes);
+  // Replaces the allow-list for connections accepted from now on (std::invalid_argument naming an
+  // address that is not numeric; nothing changes then). any: every address may connect.
+  void set_allowed_peers(bool any, const std::vector<std::string>& addresses);
+  // (any, the allowed addresses in canonical text).
+  std::pair<bool, std::vector<std::string>> allowed_peers() const;
 
  private:
-  struct Pending {
-    int fd;
-    std::string peer;
-  };
-  void accept_loop();
   void worker_loop();
   // One authenticated connection being served: its channel, socket, peer, "push of 'path'" and
   // the rank the peer proved.
@@ -209,11 +224,12 @@ class TransferServer {
     std::string what;
     uint32_t rank;
   };
-  void handle(int fd, const std::string& peer);
+  void handle(int fd, xfer::Admitted& admitted);
   void handle_push(const Connection& c, const std::string& path, uint64_t size);
   void handle_fetch(const Connection& c, const std::string& path);
   void refuse(const Connection& c, uint32_t status, const std::string& message);
   void record_error(const std::string& message);
+  bool hand_over(xfer::Admitted& admitted);
   void start_rate_floor(xfer::Channel& ch) const;
 
   TransferServerConfig config_;
@@ -226,20 +242,18 @@ class TransferServer {
 
   std::mutex queue_mutex_;
   std::condition_variable queue_cv_;
-  std::deque<Pending> queue_;
+  std::deque<std::unique_ptr<xfer::Admitted>> queue_;
   bool stopping_ = false;
 
-  std::thread accept_thread_;
+  std::unique_ptr<xfer::ErrorLog> errors_;
+  std::unique_ptr<xfer::Admission> admission_;
+  std::thread accept_thread_;  // runs admission_
   std::vector<std::thread> workers_;
   std::unique_ptr<WarmMappingCache> mappings_;
   std::unique_ptr<SpaceLedger> space_;
   std::unique_ptr<ExpectedSizes> expected_;
 
-  mutable std::mutex error_mutex_;
-  std::deque<std::string> errors_;
-  uint64_t errors_dropped_ = 0;
-
-  std::atomic<uint64_t> accepted_{0}, rejected_busy_{0}, auth_failures_{0}, protocol_failures_{0}, integrity_failures_{0},
+  std::atomic<uint64_t> rejected_busy_{0}, protocol_failures_{0}, integrity_failures_{0},
       pushes_ok_{0}, fetches_ok_{0}, transfer_failures_{0}, bytes_received_{0}, bytes_sent_{0}, spares_taken_{0},
       mappings_reused_{0}, temp_files_swept_{0}, forbidden_{0}, no_space_{0}, too_slow_{0};
 };

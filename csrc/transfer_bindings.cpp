@@ -2,6 +2,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <tuple>
 #include <vector>
 
 #include "bindings_common.hpp"
@@ -95,6 +96,21 @@ std::string optional_relative_path(const py::object& path) {
   const std::string p = fspath(path);
   split_relative_path(p);  // TransferPathError (a ValueError) naming it
   return p;
+}
+
+// An allow-list from Python: None (every address) or an iterable of numeric addresses.
+std::pair<bool, std::vector<std::string>> allow_list(const py::object& addresses) {
+  if (addresses.is_none()) return {true, {}};
+  if (py::isinstance<py::str>(addresses) || py::isinstance<py::bytes>(addresses))
+    throw py::type_error("allowed_peers must be None or a list of addresses, not one string");
+  std::vector<std::string> out;
+  for (const py::handle& a : addresses) out.push_back(a.cast<std::string>());
+  return {false, out};
+}
+
+py::object allow_list_object(const std::pair<bool, std::vector<std::string>>& allowed) {
+  if (allowed.first) return py::none();
+  return py::cast(allowed.second);
 }
 
 py::dict transfer_result(const TransferResult& r) {
@@ -351,11 +367,20 @@ void register_transfer(py::module_& m) {
 
   py::class_<TransferServer>(m, "TransferServer",
                              "Serves PUSH and FETCH of checkpoint objects under base_dir to authenticated peers.\n\n"
-                             "max_connections worker threads (plus one accept thread) serve connections; up to\n"
-                             "max_pending more wait in a queue, beyond that they are closed at once. The handshake\n"
-                             "and request must arrive within io_timeout_s, then every wait is bounded by it.\n"
-                             "Errors inside the service threads are kept (last 1000) for errors(). Use as a\n"
-                             "context manager or call stop().\n\n"
+                             "One admission thread accepts connections and runs every handshake (non-blocking),\n"
+                             "so a peer that does not prove a rank of the job never occupies a worker; the rank\n"
+                             "it proved travels with the connection to the worker, whose policy checks every\n"
+                             "request against it. A connection whose address is not in allowed_peers (None: any)\n"
+                             "is closed before a byte is read or written; at most\n"
+                             "max_connections_per_peer connections per address (handshaking, queued or served); at\n"
+                             "most max_handshakes handshaking at once (when full, a new connection displaces the\n"
+                             "oldest handshake of the address with the most); a handshake not completed within\n"
+                             "handshake_timeout_s of accept() is closed. max_connections worker threads serve the\n"
+                             "authenticated connections; up to max_pending more wait in a queue, beyond that they\n"
+                             "are closed. The request must arrive within io_timeout_s of a worker taking the\n"
+                             "connection, then every wait is bounded by it. Errors inside the service threads are\n"
+                             "kept (last 1000) for errors(); those about connections that did not authenticate at\n"
+                             "most 10 a minute, the rest counted. Use as a context manager or call stop().\n\n"
                              "spare_dir (relative to base_dir, same file system): a directory of spare files, e.g.\n"
                              "retired replicas. A push takes one (the smallest that holds the object, else the\n"
                              "largest) by renaming it to its temp name, resizes and overwrites it, so the data lands\n"
@@ -371,7 +396,8 @@ void register_transfer(py::module_& m) {
                        int max_connections, double io_timeout_s, uint64_t max_object_bytes, int max_pending,
                        const py::object& spare_dir, uint32_t rank, std::shared_ptr<TransferPolicy> policy,
                        double min_rate_bytes_per_s, const py::object& rate_grace_s,
-                       const py::object& space_margin_bytes) {
+                       const py::object& space_margin_bytes, double handshake_timeout_s, int max_handshakes,
+                       int max_connections_per_peer, const py::object& allowed_peers) {
              TransferServerConfig c;
              c.base_dir = fspath(base_dir);
              c.secret = secret;
@@ -393,6 +419,10 @@ void register_transfer(py::module_& m) {
                c.space_margin_bytes = space_margin_bytes.cast<int64_t>();
                if (c.space_margin_bytes < 0) throw std::invalid_argument("space_margin_bytes must be >= 0 or None");
              }
+             c.handshake_timeout_s = handshake_timeout_s;
+             c.max_handshakes = max_handshakes;
+             c.max_connections_per_peer = max_connections_per_peer;
+             std::tie(c.allow_any_peer, c.allowed_peers) = allow_list(allowed_peers);
              py::gil_scoped_release release;
              return std::unique_ptr<TransferServer>(new TransferServer(c));
            }),
@@ -400,10 +430,21 @@ void register_transfer(py::module_& m) {
            py::arg("max_connections") = 4, py::arg("io_timeout_s") = 30.0, py::arg("max_object_bytes") = kDefaultMax,
            py::arg("max_pending") = 0, py::arg("spare_dir") = py::none(), py::kw_only(), py::arg("rank") = 0,
            py::arg("policy") = py::none(), py::arg("min_rate_bytes_per_s") = kTransferDefaultMinRate,
-           py::arg("rate_grace_s") = py::none(), py::arg("space_margin_bytes") = py::none())
+           py::arg("rate_grace_s") = py::none(), py::arg("space_margin_bytes") = py::none(),
+           py::arg("handshake_timeout_s") = 5.0, py::arg("max_handshakes") = 64,
+           py::arg("max_connections_per_peer") = 32, py::arg("allowed_peers") = py::none())
       .def_property_readonly("port", &TransferServer::port, "The bound TCP port.")
       .def_property_readonly("host", &TransferServer::host)
       .def_property_readonly("running", &TransferServer::running)
+      .def_property(
+          "allowed_peers", [](const TransferServer& self) { return allow_list_object(self.allowed_peers()); },
+          [](TransferServer& self, const py::object& addresses) {
+            const auto allowed = allow_list(addresses);
+            self.set_allowed_peers(allowed.first, allowed.second);
+          },
+          "Peer addresses that may connect (canonical numeric text), or None: any. Setting it (None or a list\n"
+          "of numeric IPv4/IPv6 addresses; ValueError naming one that is not, nothing changed then) applies to\n"
+          "connections accepted from then on.")
       .def(
           "stop",
           [](TransferServer& self) {
@@ -430,10 +471,13 @@ void register_transfer(py::module_& m) {
           "a push of a listed path must announce exactly its size, a push of an unlisted path into step (with a\n"
           "policy) is refused (TransferForbiddenError on the sender). The newest 8 steps are kept.")
       .def("stats", &TransferServer::stats,
-           "Counters: accepted, rejected_busy, auth_failures, ..., spares_taken (pushes received into a spare\n"
-           "file), mappings_reused (of those, written through a mapping kept from an earlier reception),\n"
-           "forbidden (requests the policy or the expected sizes refused), no_space (pushes refused for room),\n"
-           "too_slow (transfers that fell below the minimum rate).")
+           "Counters: accepted, rejected_not_allowed (address not allowed), rejected_peer_cap (an address at\n"
+           "max_connections_per_peer with no handshake to displace), handshakes_dropped (displaced by newer\n"
+           "connections), handshake_timeouts, handshakes_ok, handshaking (now), errors_suppressed (by the rate\n"
+           "limit), rejected_busy, auth_failures, ..., spares_taken (pushes received into a spare file),\n"
+           "mappings_reused (of those, written through a mapping kept from an earlier reception), forbidden\n"
+           "(requests the policy or the expected sizes refused), no_space (pushes refused for room), too_slow\n"
+           "(transfers that fell below the minimum rate).")
       .def("__enter__", [](py::object self) { return self; })
       .def("__exit__",
            [](TransferServer& self, const py::args&) {

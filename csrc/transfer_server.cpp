@@ -1,10 +1,13 @@
-// Server side of the transfer service: accept loop, workers, push and fetch handlers.
+// Server side of the transfer service: workers, push and fetch handlers. Accepting and the
+// handshakes run in the admission stage (transfer_admission.cpp), one thread, off the workers.
 #include <arpa/inet.h>
 #include <netdb.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 
 #include "transfer.hpp"
+#include "transfer_admission.hpp"
+#include "transfer_error_log.hpp"
 #include "transfer_paths.hpp"
 #include "transfer_policy.hpp"
 #include "transfer_space.hpp"
@@ -36,6 +39,14 @@ TransferServer::TransferServer(const TransferServerConfig& config) : config_(con
   if (config_.policy && config_.rank >= config_.policy->world_size())
     throw std::invalid_argument("rank " + std::to_string(config_.rank) + " is not below the policy's world_size " +
                                 std::to_string(config_.policy->world_size()));
+  if (!(config_.handshake_timeout_s > 0) || config_.handshake_timeout_s > 3600)
+    throw std::invalid_argument("handshake_timeout_s must be in (0, 3600]");
+  if (config_.max_handshakes < 1 || config_.max_handshakes > 65536)
+    throw std::invalid_argument("max_handshakes must be in 1..65536");
+  if (config_.max_connections_per_peer < 1 || config_.max_connections_per_peer > 65536)
+    throw std::invalid_argument("max_connections_per_peer must be in 1..65536");
+  std::vector<PeerAddress> allowed;
+  for (const std::string& a : config_.allowed_peers) allowed.push_back(parse_peer_address(a));
 
   Fd base = open_base_dir(config_.base_dir);
   mappings_.reset(new WarmMappingCache());
@@ -57,7 +68,7 @@ TransferServer::TransferServer(const TransferServerConfig& config) : config_(con
   ::setsockopt(listener.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
   if (::bind(listener.get(), res->ai_addr, res->ai_addrlen) != 0)
     throw OsError(errno, "cannot bind " + config_.host + ":" + port_s, "");
-  if (::listen(listener.get(), 128) != 0) throw OsError(errno, "listen failed", "");
+  if (::listen(listener.get(), 1024) != 0) throw OsError(errno, "listen failed", "");
   struct sockaddr_storage bound;
   socklen_t blen = sizeof(bound);
   ::getsockname(listener.get(), reinterpret_cast<sockaddr*>(&bound), &blen);
@@ -72,9 +83,21 @@ TransferServer::TransferServer(const TransferServerConfig& config) : config_(con
   base_fd_ = base.release();
   listen_fd_ = listener.release();
   stop_fd_ = stop_event.release();
+  errors_.reset(new ErrorLog());
+  AdmissionLimits limits;
+  limits.handshake_timeout_s = config_.handshake_timeout_s;
+  limits.max_handshakes = config_.max_handshakes;
+  limits.max_per_peer = config_.max_connections_per_peer;
+  // The stage proves this server's rank and admits only ranks of the job (below the policy's world size).
+  const uint32_t rank_limit = config_.policy ? config_.policy->world_size() : 0;
+  admission_.reset(new Admission(listen_fd_, stop_fd_, config_.secret, config_.rank, rank_limit, limits, *errors_));
+  admission_->set_allowed(config_.allow_any_peer, allowed);
   try {
     for (int i = 0; i < config_.max_connections; ++i) workers_.emplace_back([this] { worker_loop(); });
-    accept_thread_ = std::thread([this] { accept_loop(); });
+    accept_thread_ = std::thread([this] {
+      // Every second at least: a kept mapping must not pin a deleted file.
+      admission_->run([this](Admitted& a) { return hand_over(a); }, [this] { mappings_->drop_deleted(); });
+    });
   } catch (...) {
     stop();
     throw;
@@ -99,7 +122,10 @@ void TransferServer::stop() {
   for (auto& t : workers_)
     if (t.joinable()) t.join();
   workers_.clear();
-  for (auto& p : queue_) ::close(p.fd);
+  for (auto& p : queue_) {
+    ::close(p->fd);
+    admission_->release(p->address);
+  }
   queue_.clear();
   mappings_->clear();
   ::close(listen_fd_);
@@ -109,21 +135,21 @@ void TransferServer::stop() {
   stopped_.store(true);
 }
 
-std::vector<std::string> TransferServer::take_errors() {
-  std::lock_guard<std::mutex> lk(error_mutex_);
-  std::vector<std::string> out;
-  if (errors_dropped_ > 0) out.push_back(std::to_string(errors_dropped_) + " older error(s) dropped");
-  out.insert(out.end(), errors_.begin(), errors_.end());
-  errors_.clear();
-  errors_dropped_ = 0;
-  return out;
-}
+std::vector<std::string> TransferServer::take_errors() { return errors_->take(); }
 
 std::map<std::string, uint64_t> TransferServer::stats() const {
-  return {{"accepted", accepted_.load()},
+  const AdmissionCounters& a = admission_->counters();
+  return {{"accepted", a.accepted.load()},
+          {"rejected_not_allowed", a.rejected_not_allowed.load()},
+          {"rejected_peer_cap", a.rejected_peer_cap.load()},
+          {"handshakes_dropped", a.handshakes_dropped.load()},
+          {"handshake_timeouts", a.handshake_timeouts.load()},
+          {"handshakes_ok", a.handshakes_ok.load()},
+          {"handshaking", a.handshaking.load()},
+          {"errors_suppressed", errors_->suppressed_total()},
           {"rejected_busy", rejected_busy_.load()},
-          {"auth_failures", auth_failures_.load()},
-          {"protocol_failures", protocol_failures_.load()},
+          {"auth_failures", a.auth_failures.load()},
+          {"protocol_failures", a.protocol_failures.load() + protocol_failures_.load()},
           {"integrity_failures", integrity_failures_.load()},
           {"pushes_ok", pushes_ok_.load()},
           {"fetches_ok", fetches_ok_.load()},
@@ -146,92 +172,54 @@ void TransferServer::start_rate_floor(Channel& ch) const {
   ch.start_rate_floor(config_.min_rate_bytes_per_s, config_.rate_grace_s);
 }
 
-void TransferServer::record_error(const std::string& message) {
-  std::lock_guard<std::mutex> lk(error_mutex_);
-  errors_.push_back(message);
-  while (errors_.size() > 1000) {
-    errors_.pop_front();
-    ++errors_dropped_;
-  }
+void TransferServer::set_allowed_peers(bool any, const std::vector<std::string>& addresses) {
+  std::vector<PeerAddress> parsed;
+  for (const std::string& a : addresses) parsed.push_back(parse_peer_address(a));
+  admission_->set_allowed(any, parsed);
 }
 
-void TransferServer::accept_loop() {
-  for (;;) {
-    struct pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {stop_fd_, POLLIN, 0}};
-    const int r = ::poll(fds, 2, 1000);
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      record_error(std::string("accept loop: poll failed: ") + errno_text(errno));
-      return;
-    }
-    mappings_->drop_deleted();  // at least once a second: a kept mapping must not pin a deleted file
-    if (r == 0) continue;
-    if (fds[1].revents & POLLIN) return;
-    if (!(fds[0].revents & POLLIN)) continue;
-    struct sockaddr_storage peer;
-    socklen_t plen = sizeof(peer);
-    const int fd = ::accept4(listen_fd_, reinterpret_cast<sockaddr*>(&peer), &plen, SOCK_NONBLOCK | SOCK_CLOEXEC);
-    if (fd < 0) {
-      const int err = errno;
-      if (err == EAGAIN || err == EWOULDBLOCK || err == EINTR || err == ECONNABORTED) continue;
-      record_error(std::string("accept failed: ") + errno_text(err));
-      if (err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM) {
-        struct pollfd s = {stop_fd_, POLLIN, 0};
-        ::poll(&s, 1, 100);  // back off instead of spinning until descriptors free up
-      }
-      continue;
-    }
-    char host[INET6_ADDRSTRLEN] = "?";
-    int pport = 0;
-    if (peer.ss_family == AF_INET) {
-      auto* a = reinterpret_cast<sockaddr_in*>(&peer);
-      ::inet_ntop(AF_INET, &a->sin_addr, host, sizeof(host));
-      pport = ntohs(a->sin_port);
-    } else if (peer.ss_family == AF_INET6) {
-      auto* a = reinterpret_cast<sockaddr_in6*>(&peer);
-      ::inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof(host));
-      pport = ntohs(a->sin6_port);
-    }
-    const std::string name = std::string(host) + ":" + std::to_string(pport);
-    accepted_.fetch_add(1);
-    set_socket_options(fd);
-    bool queued = false;
-    {
-      std::lock_guard<std::mutex> lk(queue_mutex_);
-      if (!stopping_ && queue_.size() < static_cast<size_t>(config_.max_pending)) {
-        queue_.push_back({fd, name});
-        queued = true;
-      }
-    }
-    if (queued) {
+std::pair<bool, std::vector<std::string>> TransferServer::allowed_peers() const { return admission_->allowed(); }
+
+void TransferServer::record_error(const std::string& message) { errors_->record(message); }
+
+// From the admission thread: an authenticated connection joins the queue, or is refused when it is full.
+bool TransferServer::hand_over(Admitted& admitted) {
+  {
+    std::lock_guard<std::mutex> lk(queue_mutex_);
+    if (stopping_) return false;  // closed without a word, like every connection at stop()
+    if (queue_.size() < static_cast<size_t>(config_.max_pending)) {
+      queue_.emplace_back(new Admitted(std::move(admitted)));
       queue_cv_.notify_one();
-    } else {
-      ::close(fd);
-      rejected_busy_.fetch_add(1);
-      record_error("peer " + name + ": connection refused, server busy (" + std::to_string(config_.max_pending) +
-                   " connections already waiting)");
+      return true;
     }
   }
+  rejected_busy_.fetch_add(1);
+  record_error("peer " + admitted.peer + ": connection refused after its handshake, server busy (" +
+               std::to_string(config_.max_pending) + " authenticated connections already waiting)");
+  return false;
 }
 
 void TransferServer::worker_loop() {
   for (;;) {
-    Pending p;
+    std::unique_ptr<Admitted> p;
     {
       std::unique_lock<std::mutex> lk(queue_mutex_);
       queue_cv_.wait(lk, [this] { return stopping_ || !queue_.empty(); });
       if (stopping_) return;
-      p = queue_.front();
+      p = std::move(queue_.front());
       queue_.pop_front();
     }
-    Fd conn(p.fd);
-    try {
-      handle(conn.get(), p.peer);
-    } catch (const std::exception& e) {
-      record_error("peer " + p.peer + ": " + e.what());
-    } catch (...) {
-      record_error("peer " + p.peer + ": unknown error");
+    {
+      Fd conn(p->fd);
+      try {
+        handle(conn.get(), *p);
+      } catch (const std::exception& e) {
+        record_error("peer " + p->peer + ": " + e.what());
+      } catch (...) {
+        record_error("peer " + p->peer + ": unknown error");
+      }
     }
+    admission_->release(p->address);  // after the close: the address may open another connection
   }
 }
 
@@ -277,22 +265,13 @@ void drain_briefly(int fd, int stop_fd) {
 }
 }  // namespace
 
-void TransferServer::handle(int fd, const std::string& peer) {
+void TransferServer::handle(int fd, Admitted& admitted) {
+  const std::string& peer = admitted.peer;
   Channel ch(fd, config_.io_timeout_s, stop_fd_);
+  // The request and the first response, from being taken up here (the handshake's budget ran from accept()).
   ch.set_deadline(config_.io_timeout_s);
-  uint32_t client_rank = 0;
-  try {
-    client_rank = server_handshake(ch, config_.secret, config_.rank,
-                                   config_.policy ? config_.policy->world_size() : 0);
-  } catch (const TransferAuthError& e) {
-    auth_failures_.fetch_add(1);
-    record_error("peer " + peer + ": " + e.what());
-    return;
-  } catch (const std::exception& e) {
-    protocol_failures_.fetch_add(1);
-    record_error("peer " + peer + ": handshake failed: " + e.what());
-    return;
-  }
+  ch.start_session(std::move(admitted.session));
+  const uint32_t client_rank = admitted.rank;  // proved in the handshake; every policy check below uses it
 
   uint8_t req[kRequestBytes];
   uint32_t op = 0, path_len = 0;

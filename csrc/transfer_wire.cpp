@@ -130,45 +130,46 @@ Digest256 rank_key(const std::string& secret, uint32_t rank) {
   return h.finish();
 }
 
-uint32_t server_handshake(Channel& ch, const std::string& secret, uint32_t server_rank, uint32_t rank_limit) {
-  uint8_t hello[kClientHelloBytes];
-  ch.recv_exact(hello, sizeof(hello), "client hello");
+void ServerHandshake::answer(const std::string& secret, uint32_t server_rank, const uint8_t* hello, uint8_t* reply) {
   check_magic(hello, "client");
-  uint8_t reply[kServerHelloBytes];
   std::memcpy(reply, kMagic, sizeof(kMagic));
   put_u32(reply + 8, kProtocolVersion);
   put_u32(reply + 12, server_rank);
   if (get_u32(hello + 8) != kProtocolVersion) {
-    // An older (or newer) client learns our version from a hello whose MAC is zero, then we close.
+    // An older (or newer) client learns our version from a hello whose rank and MAC are zero; the
+    // caller sends it, then closes.
     put_u32(reply + 12, 0);
     std::memset(reply + 16, 0, kNonceBytes + kMacBytes);
     try {
-      ch.send_all(reply, sizeof(reply), "server hello");
-    } catch (const std::exception&) {
+      check_version(hello, "client");
+    } catch (const TransferError& e) {
+      throw VersionMismatchError(e.what());
     }
   }
-  check_version(hello, "client");
-  const uint32_t client_rank = get_u32(hello + 12);
-  const uint8_t* nonce_c = hello + 16;
-  uint8_t* nonce_s = reply + 16;
-  fill_random(nonce_s, kNonceBytes);
-  const Transcript t(client_rank, server_rank, nonce_c, nonce_s);
-  const Digest256 server_key = rank_key(secret, server_rank);
+  server_rank_ = server_rank;
+  client_rank_ = get_u32(hello + 12);
+  std::memcpy(nonce_c_, hello + 16, kNonceBytes);
+  fill_random(nonce_s_, kNonceBytes);
+  std::memcpy(reply + 16, nonce_s_, kNonceBytes);
+  const Transcript t(client_rank_, server_rank_, nonce_c_, nonce_s_);
+  const Digest256 server_key = rank_key(secret, server_rank_);
   const Digest256 server_mac = handshake_mac(server_key, kServerLabel, t);
   std::memcpy(reply + 16 + kNonceBytes, server_mac.data(), kMacBytes);
-  ch.send_all(reply, sizeof(reply), "server hello");
-  uint8_t proof[kMacBytes];
-  ch.recv_exact(proof, sizeof(proof), "client proof");
-  const Digest256 client_key = rank_key(secret, client_rank);
+}
+
+std::unique_ptr<Session> ServerHandshake::finish(const std::string& secret, uint32_t rank_limit,
+                                                 const uint8_t* proof) const {
+  const Transcript t(client_rank_, server_rank_, nonce_c_, nonce_s_);
+  const Digest256 client_key = rank_key(secret, client_rank_);
   const Digest256 expected = handshake_mac(client_key, kClientLabel, t);
   if (!constant_time_equal(proof, expected.data(), kMacBytes))
-    throw TransferAuthError("client failed authentication as rank " + std::to_string(client_rank) +
+    throw TransferAuthError("client failed authentication as rank " + std::to_string(client_rank_) +
                             " (wrong job secret, or it is not that rank)");
-  if (rank_limit != 0 && client_rank >= rank_limit)
-    throw TransferAuthError("client authenticated as rank " + std::to_string(client_rank) + ", but the job has " +
+  if (rank_limit != 0 && client_rank_ >= rank_limit)
+    throw TransferAuthError("client authenticated as rank " + std::to_string(client_rank_) + ", but the job has " +
                             std::to_string(rank_limit) + " ranks");
-  ch.start_session(start_session(client_key, server_key, t, nonce_c, nonce_s, /*is_client=*/false));
-  return client_rank;
+  const Digest256 server_key = rank_key(secret, server_rank_);
+  return start_session(client_key, server_key, t, nonce_c_, nonce_s_, /*is_client=*/false);
 }
 
 void client_handshake(Channel& ch, const std::string& secret, uint32_t client_rank, uint32_t server_rank) {

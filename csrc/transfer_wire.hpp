@@ -364,12 +364,42 @@ inline void set_socket_options(int fd) {
 // The key that proves a rank: HMAC-SHA256(secret, "mlfp-xfer-v3 rank" || u32 rank).
 Digest256 rank_key(const std::string& secret, uint32_t rank);
 
-// Authenticates both ends as ranks of the job (TransferAuthError when a side fails) and starts
-// the channel's session (keys derived from both ranks' keys and both nonces).
-// Server: proves server_rank; returns the rank the client proved (below rank_limit unless it is 0).
-uint32_t server_handshake(Channel& ch, const std::string& secret, uint32_t server_rank, uint32_t rank_limit);
-// Client: proves client_rank and checks that the server proves server_rank.
+// Client: authenticates both ends as ranks of the job (TransferAuthError when a side fails):
+// proves client_rank, checks that the server proves server_rank, and starts the channel's
+// session (keys derived from both ranks' keys and both nonces). The server's side is
+// ServerHandshake, driven by the admission stage (transfer_admission.hpp).
 void client_handshake(Channel& ch, const std::string& secret, uint32_t client_rank, uint32_t server_rank);
+
+// A client hello of another protocol version: the reply given to answer() tells the client ours
+// (rank, nonce and MAC zero); send it, then close.
+class VersionMismatchError : public TransferError {
+ public:
+  using TransferError::TransferError;
+};
+
+// The server's side of the handshake in two steps over its fixed-size messages, for a caller that
+// moves the bytes itself (the admission stage's non-blocking state machine, transfer_admission.cpp).
+class ServerHandshake {
+ public:
+  // Takes the client hello (kClientHelloBytes, naming the rank the client claims) and writes the
+  // server hello (kServerHelloBytes, proving server_rank) into reply. Throws TransferError when
+  // the hello is not a flashpoint client hello (bad magic) and VersionMismatchError (reply
+  // filled, see there) for another version.
+  void answer(const std::string& secret, uint32_t server_rank, const uint8_t* hello, uint8_t* reply);
+  // Checks the client proof (kMacBytes) in constant time: TransferAuthError when the client does
+  // not prove the rank it claimed, or that rank is not below rank_limit (0: no limit). Returns the
+  // session of the connection (keys derived from both ranks' keys and both nonces); client_rank()
+  // is then the authenticated rank of the peer.
+  std::unique_ptr<Session> finish(const std::string& secret, uint32_t rank_limit, const uint8_t* proof) const;
+  // The rank the hello claimed; authenticated once finish() returned.
+  uint32_t client_rank() const { return client_rank_; }
+
+ private:
+  uint32_t client_rank_ = 0;
+  uint32_t server_rank_ = 0;
+  uint8_t nonce_c_[kNonceBytes] = {};
+  uint8_t nonce_s_[kNonceBytes] = {};
+};
 
 struct Response {
   uint32_t status = kOk;

@@ -1,6 +1,7 @@
 # Types of the C++ extension (csrc/bindings.cpp). scripts/lint.sh checks this stub against the
 # built module with mypy's stubtest, so a binding added or changed without it fails the lint.
 import os
+from collections.abc import Iterable
 from types import TracebackType
 from typing import Any
 
@@ -80,7 +81,15 @@ class TransferServer:
         min_rate_bytes_per_s: float = ...,
         rate_grace_s: float | None = ...,
         space_margin_bytes: int | None = ...,
+        handshake_timeout_s: float = ...,
+        max_handshakes: int = ...,
+        max_connections_per_peer: int = ...,
+        allowed_peers: Iterable[str] | None = ...,
     ) -> None: ...
+    @property
+    def allowed_peers(self) -> list[str] | None: ...
+    @allowed_peers.setter
+    def allowed_peers(self, addresses: Iterable[str] | None) -> None: ...
     def errors(self) -> list[str]: ...
     def expect_sizes(self, step: int, sizes: dict[str, int]) -> None: ...
     def stats(self) -> dict[str, int]: ...

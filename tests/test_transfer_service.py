@@ -78,8 +78,8 @@ def dirs(shm_dir: Path):
 @pytest.fixture
 def server(dirs):
     base, _, _ = dirs
-    with _core.TransferServer(base, SECRET, io_timeout_s=IO_TIMEOUT, max_connections=3,
-                              max_object_bytes=256 * MiB) as srv:
+    with _core.TransferServer(base, SECRET, io_timeout_s=IO_TIMEOUT, handshake_timeout_s=IO_TIMEOUT,
+                              max_connections=3, max_object_bytes=256 * MiB) as srv:
         yield srv
 
 
@@ -428,11 +428,14 @@ def test_stop_leaves_no_threads_or_fds(dirs):
     assert count_threads() == threads + 4  # 3 workers + the accept loop
     _core.transfer_push(HOST, srv.port, SECRET, client, "o.fpo")
     accepted = srv.stats()["accepted"]
-    hanging = [socket.create_connection((HOST, srv.port)) for _ in range(5)]  # busy workers + queued
-    deadline = time.monotonic() + 10  # until the server has accepted all five (handed to workers or queued)
-    while srv.stats()["accepted"] < accepted + len(hanging) and time.monotonic() < deadline:
+    hanging = [socket.create_connection((HOST, srv.port)) for _ in range(5)]  # in the handshake stage
+    hanging += [auth_sock(srv) for _ in range(4)]  # authenticated: three busy workers and one queued
+    deadline = time.monotonic() + 10  # until the server has accepted all nine and checked the four proofs
+    while (srv.stats()["accepted"] < accepted + len(hanging) or srv.stats()["handshakes_ok"] < 5) \
+            and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert srv.stats()["accepted"] == accepted + len(hanging)
+    stats = srv.stats()
+    assert stats["accepted"] == accepted + len(hanging) and stats["handshaking"] == 5, stats
     t0 = time.monotonic()
     srv.stop()
     assert time.monotonic() - t0 < 2  # does not wait for the 30 s io timeout
@@ -440,7 +443,7 @@ def test_stop_leaves_no_threads_or_fds(dirs):
     assert not srv.running
     for s in hanging:
         s.settimeout(2)
-        assert s.recv(10) == b""  # the server closed its end
+        assert_closed(s)  # the server closed its end
         s.close()
     assert count_fds() == fds and count_threads() == threads
     errors = srv.errors()

@@ -9,25 +9,30 @@ Lifecycle (collective where noted; every rank calls in the same order):
     service.close()                      # stops the thread and the server; no thread or fd left
 
 `start` agrees on the job secret (see replication.secret: from the environment or a secret
-file, checked by a keyed hash; else rank 0 draws one and broadcasts it; never logged) and exchanges every rank's server address with one all_gather_object. One
-background thread per rank pushes this rank's objects of each committed version to the
-same-local-rank server of each target node (see placement). Peers authenticate as ranks, and
-each server admits only what the placement sends it (transfer_policy): a rank may push its own
-objects to the servers it replicates to, nothing else; any rank may fetch objects and version files. A version is "replicated" on a
-rank once every target acknowledged every object; it is replicated for the job once that
-holds on every rank, which `keep_for_next_save` learns with one all_gather_object per save.
+file, checked by a keyed hash; else rank 0 draws one and broadcasts it; never logged) and
+exchanges every rank's server address with one all_gather_object; each server then admits
+connections only from those addresses, and from loopback only when one of them is loopback (a
+single-node job; docs/security.md). One background thread per rank pushes this rank's objects
+of each committed version to the same-local-rank server of each target node (see placement).
+Peers authenticate as ranks, and each server admits only what the placement sends it
+(transfer_policy): a rank may push its own objects to the servers it replicates to, nothing
+else; any rank may fetch objects and version files. A version is "replicated" on a rank once
+every target acknowledged every object; it is replicated for the job once that holds on every
+rank, which `keep_for_next_save` learns with one all_gather_object per save.
 """
 
 from __future__ import annotations
 
 import atexit
 import functools
+import ipaddress
 import logging
 import os
 import socket
 import threading
 import time
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,6 +67,9 @@ def _log_mac_backend_once() -> None:
                  _core.transfer_mac_backend())
 
 HOST_ENV = "FLASHPOINT_REPLICATION_HOST"
+# Allowed besides the gathered addresses only when one of those is loopback (a single-node job):
+# a connection to any 127.x address leaves from 127.0.0.1 (allowed_peer_addresses).
+LOOPBACK_PEERS = ("127.0.0.1", "::1")
 DEFAULT_CLOSE_WAIT_S = 10.0  # how long close() waits for a push in progress
 
 PENDING = "pending"
@@ -84,6 +92,11 @@ class ReplicationConfig:
     retries: int = 2
     backoff_s: float = 0.2
     max_connections: int = 4
+    # Admit connections only from the ranks' gathered addresses (plus loopback when those include a
+    # loopback address: a single-node job; see allowed_peer_addresses). False: from any
+    # address (only the secret keeps strangers out), e.g. when nodes reach each other through
+    # addresses other than those they bind.
+    restrict_peers: bool = True
     enabled: bool = True
     # Bytes of retired replicas kept as spare files, so received replicas overwrite warm tmpfs
     # pages instead of faulting in fresh ones. None: one version's replicas on this node (what
@@ -187,7 +200,51 @@ def peer_endpoints(base_dir: str | os.PathLike[str], config: ReplicationConfig |
                        dist.get_rank(), type(exc).__name__, exc)
     addresses: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(addresses, address)
-    return PeerEndpoints(server, secret, [tuple(a) if a else None for a in addresses], topology.rank)
+    gathered = [tuple(a) if a else None for a in addresses]
+    if server is not None and config.restrict_peers:
+        try:  # nothing may raise on one rank here: the next collective would wait for it
+            server.allowed_peers = allowed_peer_addresses(a[0] for a in gathered if a)
+        except Exception as exc:  # noqa: BLE001 - the server then keeps admitting any address
+            logger.warning("Rank %d: the replication transfer server admits any address (the allow-list of the "
+                           "job's peers could not be set: %s: %s)", dist.get_rank(), type(exc).__name__, exc)
+    return PeerEndpoints(server, secret, gathered, topology.rank)
+
+
+def is_loopback(address: str) -> bool:
+    """127.0.0.0/8, ::1 or an IPv4-mapped 127.x address (numeric text; anything else: False)."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
+
+
+def allowed_peer_addresses(hosts: Iterable[str]) -> list[str]:
+    """The transfer server's allow-list: the numeric addresses of the ranks' gathered hosts (names resolved).
+
+    Loopback (127.0.0.1 and ::1) is added only when one of those addresses is itself loopback: a
+    job whose ranks advertise loopback addresses runs on one node, and a connection to any
+    127.x address leaves from 127.0.0.1. A job advertising node addresses does not need it (a
+    connection to this node's own address leaves from that address), so a local user of a shared
+    node who is not in the job cannot connect through loopback.
+
+    A host name that does not resolve here is left out with a warning: its rank cannot connect
+    to this one (its pushes fail and are reported as under-replication), nothing else breaks.
+    """
+    found: list[str] = []
+    for host in sorted(set(hosts)):
+        try:
+            infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            logger.warning("Replication peer host %r does not resolve on this node (%s); connections from it are "
+                           "refused", host, exc)
+            continue
+        found += [str(info[4][0]).split("%", 1)[0] for info in infos]
+    if any(is_loopback(a) for a in found):
+        found += LOOPBACK_PEERS
+    return sorted(set(found))
 
 
 _said_off = False
