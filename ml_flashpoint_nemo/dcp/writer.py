@@ -13,7 +13,7 @@ import logging
 import os
 import threading
 import uuid
-from typing import Any, Iterable
+from typing import Any, Iterable, cast
 
 import torch
 import torch.distributed as dist
@@ -118,7 +118,8 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         # Where FileSystemWriter checks, with its error type (a RuntimeError); DCP raises it on every rank.
-        if not self.overwrite and self.layout.is_committed(self.step):
+        # (set_up_storage_writer, which DCP calls first, refused a writer without a step)
+        if not self.overwrite and self.step is not None and self.layout.is_committed(self.step):
             raise VersionExistsError(
                 f"step {self.step} is already committed in {self.layout.base_dir} and overwrite=False: save to "
                 "another step, or create the MemoryStorageWriter with overwrite=True"
@@ -264,9 +265,12 @@ def resolve_write_items(plan: SavePlan, planner: SavePlanner) -> tuple[dict[str,
     resolve = planner.resolve_data
     byte_io = WriteItemType.BYTE_IO
     for item in plan.items:
-        data = resolve(item)
+        resolved = resolve(item)
+        data: torch.Tensor | memoryview
         if item.type == byte_io:
-            data = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(bytes(data))
+            data = resolved.getbuffer() if isinstance(resolved, io.BytesIO) else memoryview(bytes(resolved))
+        else:
+            data = cast(torch.Tensor, resolved)  # DCP resolves a tensor item to its tensor
         # nbytes of a tensor is numel * element_size; of a buffer, its length in bytes
         nbytes = data.nbytes
         index = item.index
