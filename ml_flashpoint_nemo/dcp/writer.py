@@ -17,7 +17,7 @@ from typing import Any, Iterable, cast
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -250,18 +250,18 @@ def warm_up_rank_pool(base_dir: str | os.PathLike[str], rank: int) -> None:
     _process_saver(CheckpointLayout(base_dir), rank).pool.start_warmup()
 
 
-def write_results(record: ObjectRecord, described: list[tuple[Any, str, int]]) -> list[WriteResult]:
+def write_results(record: ObjectRecord, described: list[tuple[MetadataIndex, str, int]]) -> list[WriteResult]:
     """One WriteResult per item of the object `record` describes; storage_data is a WrittenItem."""
     return [WriteResult(index=index, size_in_bytes=nbytes, storage_data=(record, key)) for index, key, nbytes in described]
 
 
-def resolve_write_items(plan: SavePlan, planner: SavePlanner) -> tuple[dict[str, Any], list[tuple[Any, str, int]]]:
+def resolve_write_items(plan: SavePlan, planner: SavePlanner) -> tuple[dict[str, Any], list[tuple[MetadataIndex, str, int]]]:
     """The plan's items as a flat state for the saver, and (index, record key, nbytes) per item.
 
     One pass over the items: resolve_data once each (the planner's API), record keys once each.
     """
     flat: dict[str, Any] = {}
-    described: list[tuple[Any, str, int]] = []
+    described: list[tuple[MetadataIndex, str, int]] = []
     resolve = planner.resolve_data
     byte_io = WriteItemType.BYTE_IO
     for item in plan.items:
