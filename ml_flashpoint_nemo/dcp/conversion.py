@@ -26,9 +26,10 @@ if TYPE_CHECKING:  # torch is imported when a plan is made, not with the module 
     from ml_flashpoint_nemo.core.format import CommitRecord
     from ml_flashpoint_nemo.core.layout import CheckpointLayout
 
-    # (reads per RAM object, DCP write items, planner data, the version's DCP metadata (None for a core-kind
-    # version), whether bytes items are already serialized)
-    ConversionPlan = tuple[dict[str, list["Read"]], list[WriteItem], dict, Metadata | None, bool]
+    # (reads per RAM object, DCP write items, planner data, the version's DCP metadata, whether bytes items are
+    # already serialized); a core-kind version has no DCP metadata
+    DcpVersionPlan = tuple[dict[str, list["Read"]], list[WriteItem], dict, Metadata, bool]
+    CoreVersionPlan = tuple[dict[str, list["Read"]], list[WriteItem], dict, None, bool]
 
 
 @dataclass
@@ -46,7 +47,7 @@ def offset_key(offset: Iterable[int] | None) -> tuple[int, ...] | None:
     return None if offset is None else tuple(int(x) for x in offset)
 
 
-def plan_dcp_version(layout: CheckpointLayout, commit: CommitRecord) -> ConversionPlan:
+def plan_dcp_version(layout: CheckpointLayout, commit: CommitRecord) -> DcpVersionPlan:
     """Reads per object, write items, planner data and the original DCP metadata of a DCP-kind version."""
     import torch
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex
@@ -102,7 +103,7 @@ def plan_dcp_version(layout: CheckpointLayout, commit: CommitRecord) -> Conversi
     return per_object, items, planner_data, metadata, True
 
 
-def plan_core_version(layout: CheckpointLayout, commit: CommitRecord) -> ConversionPlan:
+def plan_core_version(layout: CheckpointLayout, commit: CommitRecord) -> CoreVersionPlan:
     """Reads per object and write items of a core-kind version (per-rank state dicts)."""
     import torch
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
