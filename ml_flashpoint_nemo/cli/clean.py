@@ -31,7 +31,7 @@ from ml_flashpoint_nemo.core.trees import tree_bytes
 from ml_flashpoint_nemo.core.versions import retire_version, superseded_steps
 
 
-def _dir_bytes(path: Any) -> int:
+def _dir_bytes(path: str | os.PathLike[str]) -> int:
     return tree_bytes(path, allocated_bytes)
 
 

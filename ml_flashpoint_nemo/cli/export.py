@@ -28,7 +28,7 @@ import time
 import uuid
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ml_flashpoint_nemo.cli.common import (
     EXIT_OK,
@@ -47,6 +47,12 @@ from ml_flashpoint_nemo.dcp.conversion import (
     plan_core_version,
     plan_dcp_version,
 )
+
+if TYPE_CHECKING:  # torch and the rest of the core are imported by the commands that need them
+    import torch
+
+    from ml_flashpoint_nemo.core.format import CommitRecord
+    from ml_flashpoint_nemo.core.layout import CheckpointLayout
 
 _READ_BATCH_BYTES = 64 << 20  # progress granularity: records are read in batches of about this size
 _SKIPPED_VERSION_FILES = {DCP_METADATA_NAME, MEGATRON_CONFIG_NAME}
@@ -89,8 +95,8 @@ class Progress:
             sys.stderr.flush()
 
 
-def _read_all(layout: Any, commit: Any, per_object: dict[str, list[Read]], raw_bytes: bool,
-              progress: Progress, threads: int | None) -> dict[tuple[str, Any], Any]:
+def _read_all(layout: CheckpointLayout, commit: CommitRecord, per_object: dict[str, list[Read]], raw_bytes: bool,
+              progress: Progress, threads: int | None) -> dict[tuple[str, tuple[int, ...] | None], torch.Tensor | bytes]:
     """Every record, read and verified: {(fqn, offset): tensor | serialized bytes}."""
     import torch
 
@@ -98,10 +104,10 @@ def _read_all(layout: Any, commit: Any, per_object: dict[str, list[Read]], raw_b
     from ml_flashpoint_nemo.errors import CorruptCheckpointError
 
     records = {o.name: o for o in commit.objects}
-    data: dict[tuple[str, Any], Any] = {}
+    data: dict[tuple[str, tuple[int, ...] | None], torch.Tensor | bytes] = {}
     for name, reads in per_object.items():
         if name == "":
-            data.update({(r.fqn, r.offset): r.tensor for r in reads})
+            data.update({(r.fqn, r.offset): r.tensor for r in reads if r.tensor is not None})  # empty chunks
             continue
         if name not in records:
             raise CorruptCheckpointError(f"object {name} is not listed in the commit record of step {commit.step}")
@@ -170,7 +176,7 @@ def export_version(base: str, step: int, dest_dir: Path, *, threads: int | None,
             "keys": len({i.index.fqn for i in items}), "nbytes": total, "copied_files": copied}
 
 
-def _prepare_dest(dest: Path, layout: Any, force: bool) -> bool:
+def _prepare_dest(dest: Path, layout: CheckpointLayout, force: bool) -> bool:
     """Check DEST can be written; returns whether something is there to replace."""
     if not dest.parent.is_dir():
         raise CliError(f"the parent of DEST, {dest.parent}, is not an existing directory")

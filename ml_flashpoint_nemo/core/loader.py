@@ -166,13 +166,14 @@ def read_object(
             result[key] = _read_bytes(obj, entry)
             continue
         destination = into.get(key)
-        target = destination
         if destination is None or not destination.is_cpu or not destination.is_contiguous():
             shape, dtype = _expected_shape_and_dtype(entry)
             pin = destination is not None and destination.is_cuda
             target = torch.empty(shape, dtype=dtype, pin_memory=pin)
             if destination is not None:
                 staged.append((target, destination))
+        else:
+            target = destination
         result[key] = destination if destination is not None else target
         if entry.nbytes:
             ops.extend((entry.offset, target.data_ptr(), entry.nbytes, target.numel() * target.element_size()))

@@ -23,9 +23,14 @@ _REGISTER_PORTABLE = 1  # visible to every CUDA context of the process
 
 
 class _Registrable(Protocol):
-    address: int
-    size: int
-    path: str
+    """What registration reads of a buffer (read-only, as on _core.ShmBuffer)."""
+
+    @property
+    def address(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def path(self) -> str: ...
 
 
 class CudaHostRegistry:

@@ -231,8 +231,9 @@ class CheckpointSaver:
         direct_positions = []
         indirect_positions = []
         for position, (value, entry) in enumerate(zip(values, entries)):
-            if value.is_direct:
-                direct_ops.extend((value.tensor.data_ptr() if value.nbytes else 0, entry.offset, value.nbytes))
+            tensor = value.tensor
+            if tensor is not None and value.is_direct:
+                direct_ops.extend((tensor.data_ptr() if value.nbytes else 0, entry.offset, value.nbytes))
                 direct_positions.append(position)
             else:
                 indirect_positions.append(position)
@@ -261,9 +262,11 @@ class CheckpointSaver:
                 if value.data is not None:
                     view[entry.offset : entry.offset + value.nbytes] = value.data
                     continue
+                tensor = value.tensor
+                assert tensor is not None  # a prepared value holds either bytes (data) or a tensor
                 target = torch.frombuffer(view, dtype=torch.uint8, count=value.nbytes, offset=entry.offset)
                 # Device tensors: one DMA copy into the (page-locked) pool buffer, overlapped with the next.
-                target.view(value.tensor.dtype).view(value.shape).copy_(value.tensor, non_blocking=value.tensor.is_cuda)
+                target.view(tensor.dtype).view(value.shape).copy_(tensor, non_blocking=tensor.is_cuda)
                 del target
             if any(v.tensor is not None and v.tensor.is_cuda for v, _ in items):
                 torch.cuda.synchronize()  # every copy has landed before checksums or sealing read the buffer

@@ -39,7 +39,7 @@ import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from multiprocessing.managers import SyncManager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 from ml_flashpoint_nemo.core import exits, lifecycle
 from ml_flashpoint_nemo.core.parent_death import tie_to_parent
@@ -85,7 +85,7 @@ class SyncManagerFuture(Future[SyncManager]):
     @property
     def pid(self) -> int | None:
         """Pid of the Manager's server process, once it has been launched."""
-        process = getattr(self._manager, "_process", None)
+        process = _server_process(self._manager)
         return process.pid if process is not None else None
 
     def result(self, timeout: float | None = None, *, what: str = "a RAM checkpoint save") -> SyncManager:
@@ -184,7 +184,9 @@ class SyncManagerFuture(Future[SyncManager]):
             self.pid,
             time.monotonic() - self._began,
         )
-        _stay_until_exit(manager._process)  # noqa: SLF001 - the stdlib keeps the server process here
+        process = _server_process(manager)
+        if process is not None:  # always, once start() returned
+            _stay_until_exit(process)
 
     def _expire(self) -> None:
         self._abandon(
@@ -208,7 +210,8 @@ class SyncManagerFuture(Future[SyncManager]):
         if error is not None:
             self.set_exception(error)
         else:
-            self.set_result(manager)  # type: ignore[arg-type]
+            assert manager is not None, "a settle without an error carries the Manager"
+            self.set_result(manager)
         return True
 
     def _abandon(self, error: ManagerStartError) -> bool:
@@ -223,7 +226,7 @@ class SyncManagerFuture(Future[SyncManager]):
         # pid to appear. Only SIGKILL here: the starting thread reaps the child when its start() fails.
         give_up = time.monotonic() + _FIND_CHILD_S
         while True:
-            process = getattr(self._manager, "_process", None)
+            process = _server_process(self._manager)
             if process is not None and process.pid is not None:
                 try:
                     process.kill()  # a no-op once the child has been reaped, so never hits a reused pid
@@ -326,7 +329,7 @@ def _resolve_timeout(timeout: float | None) -> float:
 
 def _reap_failed_child(manager: SyncManager | None) -> int | None:
     """Wait for (then kill) the child of a failed start, so nothing is left behind; its exit code."""
-    process = getattr(manager, "_process", None)
+    process = _server_process(manager)
     if process is None or process.pid is None:
         return None
     process.join(_REAP_S)
@@ -334,6 +337,11 @@ def _reap_failed_child(manager: SyncManager | None) -> int | None:
         process.kill()
         process.join(_REAP_S)
     return process.exitcode
+
+
+def _server_process(manager: SyncManager | None) -> multiprocessing.process.BaseProcess | None:
+    """The Manager's server process once launched (the stdlib keeps it in the private ``_process``)."""
+    return getattr(manager, "_process", None)
 
 
 def _stay_until_exit(process: multiprocessing.process.BaseProcess) -> None:
@@ -352,7 +360,21 @@ def _stay_until_exit(process: multiprocessing.process.BaseProcess) -> None:
 
 _patch_lock = threading.Lock()
 _patch_users = 0
-_installed_wrapper: Callable[[str], dict[str, Any]] | None = None
+
+
+class _PreparationData(Protocol):
+    """The signature of ``multiprocessing.spawn.get_preparation_data``."""
+
+    def __call__(self, name: str) -> dict[str, Any]: ...
+
+
+class _WrappedPreparationData(_PreparationData, Protocol):
+    """Our wrapper of it: ``functools.wraps`` keeps the original in ``__wrapped__``."""
+
+    __wrapped__: _PreparationData
+
+
+_installed_wrapper: _WrappedPreparationData | None = None
 _this_thread = threading.local()
 
 
@@ -386,10 +408,10 @@ def main_module_not_reimported() -> Iterator[None]:
         with _patch_lock:
             _patch_users -= 1
             if _patch_users == 0 and _mp_spawn.get_preparation_data is _installed_wrapper:
-                _mp_spawn.get_preparation_data = _installed_wrapper.__wrapped__  # type: ignore[union-attr]
+                _mp_spawn.get_preparation_data = _installed_wrapper.__wrapped__
 
 
-def _skip_main_for_our_thread(original: Callable[[str], dict[str, Any]]) -> Callable[[str], dict[str, Any]]:
+def _skip_main_for_our_thread(original: _PreparationData) -> _WrappedPreparationData:
     @functools.wraps(original)
     def get_preparation_data(name: str) -> dict[str, Any]:
         data = original(name)

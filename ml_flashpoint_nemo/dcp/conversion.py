@@ -16,7 +16,20 @@ from __future__ import annotations
 import dataclasses
 import io
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable, Iterable
+
+if TYPE_CHECKING:  # torch is imported when a plan is made, not with the module (the CLI starts without it)
+    import torch
+    from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata, StorageMeta
+    from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
+
+    from ml_flashpoint_nemo.core.format import CommitRecord
+    from ml_flashpoint_nemo.core.layout import CheckpointLayout
+
+    # (reads per RAM object, DCP write items, planner data, the version's DCP metadata, whether bytes items are
+    # already serialized); a core-kind version has no DCP metadata
+    DcpVersionPlan = tuple[dict[str, list["Read"]], list[WriteItem], dict, Metadata, bool]
+    CoreVersionPlan = tuple[dict[str, list["Read"]], list[WriteItem], dict, None, bool]
 
 
 @dataclass
@@ -26,15 +39,15 @@ class Read:
     key: str  # record key in the object
     fqn: str  # DCP fully qualified name in the export
     offset: tuple[int, ...] | None  # chunk offsets (None for bytes)
-    tensor: Any = None
+    tensor: torch.Tensor | None = None
     nbytes: int = 0
 
 
-def offset_key(offset: Any) -> tuple[int, ...] | None:
+def offset_key(offset: Iterable[int] | None) -> tuple[int, ...] | None:
     return None if offset is None else tuple(int(x) for x in offset)
 
 
-def plan_dcp_version(layout: Any, commit: Any) -> tuple[dict[str, list[Read]], list[Any], dict, Any, bool]:
+def plan_dcp_version(layout: CheckpointLayout, commit: CommitRecord) -> DcpVersionPlan:
     """Reads per object, write items, planner data and the original DCP metadata of a DCP-kind version."""
     import torch
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex
@@ -90,7 +103,7 @@ def plan_dcp_version(layout: Any, commit: Any) -> tuple[dict[str, list[Read]], l
     return per_object, items, planner_data, metadata, True
 
 
-def plan_core_version(layout: Any, commit: Any) -> tuple[dict[str, list[Read]], list[Any], dict, Any, bool]:
+def plan_core_version(layout: CheckpointLayout, commit: CommitRecord) -> CoreVersionPlan:
     """Reads per object and write items of a core-kind version (per-rank state dicts)."""
     import torch
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
@@ -132,7 +145,7 @@ def plan_core_version(layout: Any, commit: Any) -> tuple[dict[str, list[Read]], 
     return per_object, items, {fqn: (fqn,) for fqn in seen}, None, False
 
 
-def fill_sizes(layout: Any, commit: Any, per_object: dict[str, list[Read]]) -> None:
+def fill_sizes(layout: CheckpointLayout, commit: CommitRecord, per_object: dict[str, list[Read]]) -> None:
     """Sizes of the bytes records to read, from their objects' indexes (checked against the commit record)."""
     from ml_flashpoint_nemo.core.loader import open_object
 
@@ -148,15 +161,15 @@ def fill_sizes(layout: Any, commit: Any, per_object: dict[str, list[Read]]) -> N
 
 
 
-def make_planner(items: list[Any], resolve: Callable[[Any], Any], planner_data: dict,
-                 original: Any, on_write: Callable[[int], None]) -> Any:
+def make_planner(items: list[WriteItem], resolve: Callable[[WriteItem], torch.Tensor | bytes], planner_data: dict,
+                 original: Metadata | None, on_write: Callable[[int], None]) -> SavePlanner:
     """A DCP save planner for exactly `items`; resolve(write_item) gives each item's tensor or serialized bytes.
 
     The data may be read ahead (export) or on demand, one item at a time (the durable drain).
     """
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.metadata import Metadata
-    from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
+    from torch.distributed.checkpoint.planner import SavePlan
 
     class ConversionPlanner(DefaultSavePlanner):
         """Plans exactly the given items (chunks as stored) and hands out their data from resolve."""
@@ -164,7 +177,8 @@ def make_planner(items: list[Any], resolve: Callable[[Any], Any], planner_data: 
         def __init__(self) -> None:
             super().__init__(flatten_state_dict=True, flatten_sharded_tensors=False)
 
-        def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:
+        def set_up_planner(self, state_dict: STATE_DICT_TYPE, storage_meta: StorageMeta | None = None,
+                           is_coordinator: bool = False) -> None:
             self.state_dict = {}
             self.mappings = planner_data
             self.is_coordinator = is_coordinator
@@ -183,9 +197,9 @@ def make_planner(items: list[Any], resolve: Callable[[Any], Any], planner_data: 
             self.metadata = metadata
             return plans, metadata
 
-        def resolve_data(self, write_item: Any) -> Any:
+        def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
             value = resolve(write_item)
-            if write_item.type == WriteItemType.BYTE_IO:
+            if isinstance(value, bytes):  # what resolve gives for a BYTE_IO item, and for no other
                 on_write(len(value))
                 return io.BytesIO(value)
             on_write(value.numel() * value.element_size())

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from ml_flashpoint_nemo.core.format import CommitRecord, IndexEntry
 from ml_flashpoint_nemo.core.gc_pause import without_gc
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
-from ml_flashpoint_nemo.core.loader import open_object, read_object
+from ml_flashpoint_nemo.core.loader import OpenObject, open_object, read_object
 from ml_flashpoint_nemo.core.values import dtype_name
 from ml_flashpoint_nemo.core.version_files import read_checked_file
 from ml_flashpoint_nemo.core.versions import committed_steps, read_commit
@@ -68,11 +68,17 @@ class MemoryStorageReader(StorageReader):
                 raise VersionNotFoundError(f"no committed version in {self.layout.base_dir}")
             self.step = steps[-1]
 
-    def _commit_record(self) -> CommitRecord:
+    def _current_step(self) -> int:
+        """The step to read: the checkpoint_id's, else the newest committed one (reset() picks it or raises)."""
         if self.step is None:
             self.reset()
+        assert self.step is not None
+        return self.step
+
+    def _commit_record(self) -> CommitRecord:
+        step = self._current_step()
         if self._commit is None:
-            self._commit = read_commit(self.layout, self.step)
+            self._commit = read_commit(self.layout, step)
             if self._commit.metadata.get("kind") != "dcp":
                 raise CorruptCheckpointError(
                     f"version {self.step} in {self.layout.base_dir} was not saved through DCP; "
@@ -82,9 +88,10 @@ class MemoryStorageReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         encoded = read_checked_file(self.layout, self._commit_record(), DCP_METADATA_NAME)
-        metadata = decode_metadata(encoded, self.step)  # verified against the commit record first
+        step = self._current_step()  # the commit record's
+        metadata = decode_metadata(encoded, step)  # verified against the commit record first
         # not in the file (it changes every save): rebuilt from the path and the commit record
-        metadata.storage_meta = StorageMeta(checkpoint_id=os.fspath(self.layout.version_dir(self.step)),
+        metadata.storage_meta = StorageMeta(checkpoint_id=os.fspath(self.layout.version_dir(step)),
                                             save_id=self._commit_record().metadata.get("save_id", ""),
                                             load_id=self.load_id)
         return metadata
@@ -141,7 +148,7 @@ class MemoryStorageReader(StorageReader):
         future.set_result(None)
         return future
 
-    def _read_items(self, obj: Any, keyed: list[tuple[ReadItem, str]], planner: LoadPlanner) -> None:
+    def _read_items(self, obj: OpenObject, keyed: list[tuple[ReadItem, str]], planner: LoadPlanner) -> None:
         """Read the items of one object: whole chunks straight into their destinations, parts through a copy.
 
         The direct path needs one item per stored chunk asking for all of it, into a destination
@@ -184,13 +191,14 @@ class MemoryStorageReader(StorageReader):
             planner.commit_tensor(item, target)
         for key in partial_keys:
             stored = loaded[key]
+            if not isinstance(stored, torch.Tensor):
+                raise CorruptCheckpointError(f"record {key!r} in {obj.path} holds bytes where the DCP metadata has a tensor")
             for item in items_by_key[key]:
                 source = stored
                 for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths)):
                     source = source.narrow(dim, offset, length)
-                target = resolved.pop(id(item), None)
-                if target is None:
-                    target = _destination(planner, item)
+                pending = resolved.pop(id(item), None)
+                target = pending if pending is not None else _destination(planner, item)
                 if target.shape != source.shape:
                     raise CorruptCheckpointError(
                         f"{item.dest_index.fqn}: the load plan asks for {list(source.shape)} elements of the stored "
@@ -199,8 +207,11 @@ class MemoryStorageReader(StorageReader):
                 target.copy_(source)
                 planner.commit_tensor(item, target)
         for key in byte_keys:
+            data = loaded[key]
+            if not isinstance(data, bytes):
+                raise CorruptCheckpointError(f"record {key!r} in {obj.path} holds a tensor where the DCP metadata has bytes")
             for item in items_by_key[key]:
-                planner.load_bytes(item, io.BytesIO(loaded[key]))
+                planner.load_bytes(item, io.BytesIO(data))
 
 
     def _check_request(self, item: ReadItem) -> None:

@@ -15,8 +15,10 @@ import torch
 
 try:
     from torch.distributed.tensor import DTensor
+
+    _HAS_DTENSOR = True
 except ImportError:  # pragma: no cover - torch without DTensor
-    DTensor = None  # type: ignore[assignment,misc]
+    _HAS_DTENSOR = False
 
 
 class StagingBuffers:
@@ -37,7 +39,7 @@ class StagingBuffers:
         return staged
 
     def _stage(self, value: Any, path: tuple, used: set[tuple]) -> Any:
-        if DTensor is not None and isinstance(value, DTensor):
+        if _HAS_DTENSOR and isinstance(value, DTensor):
             local = self._copy_tensor(value.to_local(), path, used)
             return DTensor.from_local(
                 local, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()

@@ -13,11 +13,11 @@ import logging
 import os
 import threading
 import uuid
-from typing import Any, Iterable
+from typing import Any, Iterable, cast
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -117,7 +117,8 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         # Where FileSystemWriter checks, with its error type (a RuntimeError); DCP raises it on every rank.
-        if not self.overwrite and self.layout.is_committed(self.step):
+        # (set_up_storage_writer, which DCP calls first, refused a writer without a step)
+        if not self.overwrite and self.step is not None and self.layout.is_committed(self.step):
             raise VersionExistsError(
                 f"step {self.step} is already committed in {self.layout.base_dir} and overwrite=False: save to "
                 "another step, or create the MemoryStorageWriter with overwrite=True"
@@ -249,7 +250,7 @@ def warm_up_rank_pool(base_dir: str | os.PathLike[str], rank: int) -> None:
     _process_saver(CheckpointLayout(base_dir), rank).pool.start_warmup()
 
 
-def write_results(record: ObjectRecord, described: list[tuple[Any, str, int]]) -> list[WriteResult]:
+def write_results(record: ObjectRecord, described: list[tuple[MetadataIndex, str, int]]) -> list[WriteResult]:
     """One WriteResult per item of the object `record` describes; storage_data is a WrittenItem.
 
     Every item gets its ItemLocation, the first one also the record (see WrittenItem).
@@ -262,19 +263,22 @@ def write_results(record: ObjectRecord, described: list[tuple[Any, str, int]]) -
     return results
 
 
-def resolve_write_items(plan: SavePlan, planner: SavePlanner) -> tuple[dict[str, Any], list[tuple[Any, str, int]]]:
+def resolve_write_items(plan: SavePlan, planner: SavePlanner) -> tuple[dict[str, Any], list[tuple[MetadataIndex, str, int]]]:
     """The plan's items as a flat state for the saver, and (index, record key, nbytes) per item.
 
     One pass over the items: resolve_data once each (the planner's API), record keys once each.
     """
     flat: dict[str, Any] = {}
-    described: list[tuple[Any, str, int]] = []
+    described: list[tuple[MetadataIndex, str, int]] = []
     resolve = planner.resolve_data
     byte_io = WriteItemType.BYTE_IO
     for item in plan.items:
-        data = resolve(item)
+        resolved = resolve(item)
+        data: torch.Tensor | memoryview
         if item.type is byte_io:
-            data = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(bytes(data))
+            data = resolved.getbuffer() if isinstance(resolved, io.BytesIO) else memoryview(bytes(resolved))
+        else:
+            data = cast(torch.Tensor, resolved)  # DCP resolves a tensor item to its tensor
         # nbytes of a tensor is numel * element_size; of a buffer, its length in bytes
         nbytes = data.nbytes
         index = item.index

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import multiprocessing.process
+import multiprocessing.synchronize
 import os
 from typing import Any, Callable
 
@@ -47,10 +49,12 @@ class PersistentWorkerQueue(AsyncCallsQueue):
     asks each call's own caller whether it is done, oldest call first.
     """
 
+    persistent_caller: PersistentAsyncCaller | None  # Megatron's attribute (set by its __init__)
+
     def __init__(self, *, _boot_hook: Callable[[], Any] | None = None) -> None:
         """`_boot_hook` is for tests only: a picklable module-level callable the worker runs as it boots."""
         super().__init__(persistent=True)
-        self._started: tuple[Any, Any] | None = None  # (the caller we started, the event its worker sets when up)
+        self._started: tuple[PersistentAsyncCaller, multiprocessing.synchronize.Event] | None = None  # (the caller we started, the event its worker sets when up)
         self._boot_failure: str | None = None  # set once a worker died before it was up: no more tries
         self._boot_hook = _boot_hook
         stop_workers_at_exit(self)
@@ -95,7 +99,7 @@ class PersistentWorkerQueue(AsyncCallsQueue):
             self.maybe_finalize_async_calls(blocking=True)
         stop_async_workers(self)
 
-    def _get_async_caller(self) -> Any:
+    def _get_async_caller(self) -> PersistentAsyncCaller | TemporalAsyncCaller:
         if self.worker_ready():
             return self.persistent_caller
         if self._boot_failure is None:
@@ -113,7 +117,7 @@ class PersistentWorkerQueue(AsyncCallsQueue):
         return f"The persistent async-save worker (pid {process.pid}) exited with code {process.exitcode} while booting"
 
 
-def _tied_async_loop(trainer_pid: int, ready: Any, boot_hook: Callable[[], Any] | None, rank: int,
+def _tied_async_loop(trainer_pid: int, ready: multiprocessing.synchronize.Event, boot_hook: Callable[[], Any] | None, rank: int,
                      *channels_and_level: Any) -> None:
     """The worker's main: tie it to the trainer, load what every save runs, say it is up, serve Megatron's loop."""
     tie_to_parent(trainer_pid, watchdog_name="flashpoint-save-worker-watchdog")
@@ -190,7 +194,7 @@ def _stop_persistent(caller: PersistentAsyncCaller, *, kill: bool, grace_s: floa
         channel.close()
     # Its __del__ calls close(), which logs torch.distributed.get_rank() and so raises without a process group;
     # there is nothing left for it to close.
-    caller.close = _nothing_left_to_close  # type: ignore[method-assign]
+    caller.close = _nothing_left_to_close
     return stopped
 
 
@@ -198,7 +202,7 @@ def _nothing_left_to_close(abort: bool = False) -> None:
     return None
 
 
-def _end_process(process: Any, *, kill: bool, grace_s: float) -> int:
+def _end_process(process: multiprocessing.process.BaseProcess | None, *, kill: bool, grace_s: float) -> int:
     """Join (after SIGKILL if `kill`) and release a multiprocessing process; 1 if it was still running."""
     if process is None:
         return 0

@@ -22,7 +22,7 @@ import os
 import threading
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from megatron.core.dist_checkpointing.core import CONFIG_FNAME, CheckpointingConfig, save_config
@@ -53,14 +53,14 @@ from megatron.core.dist_checkpointing.strategies.torch import (
     mcore_to_pyt_state_dict,
 )
 from torch.distributed import checkpoint as torch_dcp
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ml_flashpoint_nemo.core import lifecycle
 from ml_flashpoint_nemo.core.gc_pause import without_gc
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
-from ml_flashpoint_nemo.core.saver import StagedObject
+from ml_flashpoint_nemo.core.saver import CheckpointSaver, StagedObject
 from ml_flashpoint_nemo.core.sync_manager import (
     SyncManagerFuture,
     shutdown_manager,
@@ -93,6 +93,9 @@ from ml_flashpoint_nemo.dcp.writer import (
 from ml_flashpoint_nemo.errors import CorruptCheckpointError, FlashpointError, ManagerStartError
 from ml_flashpoint_nemo.megatron.worker_reports import WorkerReports, seal_and_report
 
+if TYPE_CHECKING:  # the service is imported at the first save (it loads the transfer machinery)
+    from ml_flashpoint_nemo.replication.service import ReplicationConfig, ReplicationService
+
 logger = logging.getLogger(__name__)
 
 BACKEND = "ml_flashpoint"
@@ -106,11 +109,13 @@ def _split_checkpoint_dir(checkpoint_dir: str | os.PathLike[str]) -> tuple[Check
 
 
 # The savers (one per pool) whose pool got a warm buffer for the save after their first one.
-_WARMED_SAVERS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_WARMED_SAVERS: "weakref.WeakSet[CheckpointSaver]" = weakref.WeakSet()
 
 
 class _StagingWriter(MemoryStorageWriter):
     """The writer Megatron's async planner drives: stages in prepare_write_data, commits in finish."""
+
+    step: int  # always known: reset() in __init__ takes it from checkpoint_dir (or raises)
 
     def __init__(self, checkpoint_dir: str | os.PathLike[str], *, keep: int, checksum: bool, threads: int | None):
         layout, checkpoint_id = _split_checkpoint_dir(checkpoint_dir)
@@ -118,7 +123,7 @@ class _StagingWriter(MemoryStorageWriter):
         self.reset(checkpoint_id)
         self.staged: StagedObject | None = None
         self.stage_error: str | None = None
-        self.items: list[tuple[Any, str, int]] = []  # (MetadataIndex, record key, nbytes)
+        self.items: list[tuple[MetadataIndex, str, int]] = []  # (item index, record key, nbytes)
 
     def prepare_write_data(self, plan: SavePlan, planner: SavePlanner) -> None:
         """Blocking phase: copy this rank's items into a pool buffer (checksums come later).
@@ -189,11 +194,11 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         checksum: bool = True,
         threads: int | None = None,
         manager_future: SyncManagerFuture | None = None,
-        replication: Any = None,
+        replication: ReplicationConfig | None = None,
     ) -> None:
         super().__init__(BACKEND, VERSION)
-        self.replication_config = replication  # a replication.ReplicationConfig; None: the defaults (factor 2)
-        self._replication: Any = None
+        self.replication_config = replication  # None: the defaults (factor 2)
+        self._replication: ReplicationService | None = None
         self.keep = keep
         self.checksum = checksum
         self.threads = threads or default_copy_threads()
@@ -201,7 +206,7 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         self._reports: WorkerReports | None = None
         _warn_if_main_unguarded()
         self._signature: int | None = None
-        self._cached_plans: tuple[Any, Any, bool] | None = None
+        self._cached_plans: tuple[SavePlan, SavePlan, bool] | None = None  # (central, local, validated)
         self._cached_metadata: Metadata | None = None
         self._nodes: _NodeCopies | None = None
         self._close_lock = threading.Lock()
@@ -215,8 +220,10 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         save's plan reused, which skips the planning collectives. writer is this rank's writer, or
         why it could not be made: the same all-reduce carries that, so that every rank raises.
         """
-        problem = writer if isinstance(writer, str) else None
-        if problem is None:
+        problem: str | None = None
+        if isinstance(writer, str):
+            problem = writer
+        else:
             try:
                 signature = hash((node_identity(writer.layout.base_dir),
                                   tuple(_describe(v) for v in nested_values(sharded_state_dict))))
@@ -305,7 +312,7 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
             logger.debug("flashpoint writer for %s failed on rank %d", checkpoint_dir, dist.get_rank(), exc_info=True)
             return f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"
 
-    def _replication_service(self, base_dir: Path, topology: NodeTopology) -> Any:
+    def _replication_service(self, base_dir: Path, topology: NodeTopology) -> ReplicationService:
         """The replication service, started (collectively, on several nodes) at the first save."""
         if self._replication is None:
             from ml_flashpoint_nemo.replication.service import ReplicationConfig, ReplicationService
@@ -315,7 +322,7 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         return self._replication
 
     @property
-    def replication(self) -> Any:
+    def replication(self) -> ReplicationService | None:
         """The replication service (started at the first save), or None before it."""
         return self._replication
 
@@ -369,7 +376,7 @@ class _NodeCopies:
     checked files, so any node can load its ranks' data and the common state by itself.
     """
 
-    def __init__(self, topology: NodeTopology, group: Any) -> None:
+    def __init__(self, topology: NodeTopology, group: dist.ProcessGroup | None) -> None:
         self.topology = topology
         self.group = group  # gloo group of the node leaders; None on a single node
 
@@ -475,6 +482,7 @@ class FlashpointLoadStrategy(TorchDistLoadShardedStrategy):
         error: Exception | None = None
         try:
             reader = self._reader(checkpoint_dir)
+            assert reader.step is not None  # _reader's reset(checkpoint_id) set it
             # Megatron loaded common.pt before calling this strategy: fail the load if it was not the saved one.
             check_version_files(reader.layout, read_commit(reader.layout, reader.step))
             metadata = reader.read_metadata()
@@ -519,7 +527,10 @@ def _reformulation_metadata(
             original_shape = mcore_data[tensor.key]["nd_reformulated_orig_global_shape"]
         except KeyError as exc:
             raise CorruptCheckpointError(f"no global shape recorded for flattened tensor {tensor.key}") from exc
-        found[tensor.key] = TensorReformulationMetadata(original_shape, metadata.state_dict_metadata[tensor.key].size)
+        stored = metadata.state_dict_metadata[tensor.key]
+        if not isinstance(stored, TensorStorageMetadata):
+            raise CorruptCheckpointError(f"flattened tensor {tensor.key} is stored as bytes, not as a tensor")
+        found[tensor.key] = TensorReformulationMetadata(original_shape, stored.size)
     return found
 
 

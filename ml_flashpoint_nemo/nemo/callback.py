@@ -16,12 +16,22 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING, Any, Callable
 
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from ml_flashpoint_nemo.nemo.settings import FlashpointSettings, checked_options
+
+if TYPE_CHECKING:  # both import NeMo's checkpoint IO stack, which the callback loads only once it wires a trainer
+    from typing_extensions import Unpack
+
+    from ml_flashpoint_nemo.nemo.checkpoint_io import FlashpointCheckpointIO, SaveOutcome
+    from ml_flashpoint_nemo.nemo.drain import DurableDrain
+    from ml_flashpoint_nemo.nemo.settings import FlashpointOptionValues
+
+    _SignalHandler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None  # what signal.signal returns
 
 logger = logging.getLogger(__name__)
 
@@ -29,18 +39,19 @@ logger = logging.getLogger(__name__)
 class FlashpointCallback(Callback):
     """RAM checkpoints of a NeMo MegatronStrategy trainer; options as for wrap_trainer_with_flashpoint."""
 
-    def __init__(self, *, base_dir: str | os.PathLike[str] | None = None, **options: Any) -> None:
+    def __init__(self, *, base_dir: str | os.PathLike[str] | None = None,
+                 **options: Unpack[FlashpointOptionValues]) -> None:
         self.base_dir = base_dir
         self.options = checked_options(options)  # a bad option fails when the callback is made
         self.settings: FlashpointSettings | None = None
-        self.io: Any = None  # the trainer's FlashpointCheckpointIO, set when wired
+        self.io: FlashpointCheckpointIO | None = None  # the trainer's, set when wired
         self._blocking: dict[int, float] = {}
         self._last_saved_step: int | None = None
         self.saves: list[dict[str, Any]] = []  # every reported save, for whoever wants the numbers
-        self.drain: Any = None  # the DurableDrain of this rank, while training with durable_every_n_steps
+        self.drain: DurableDrain | None = None  # this rank's, while training with durable_every_n_steps
         self._durable_names: dict[int, str] = {}  # RAM step -> its durable checkpoint's NeMo name
         self._drained_up_to = 0  # the newest step asked to drain (or resumed from)
-        self._previous_handler: Any = None
+        self._previous_handler: tuple[int, _SignalHandler] | None = None  # (signal, its handler before ours)
 
     # --- wiring ------------------------------------------------------------------------------
 
@@ -51,7 +62,7 @@ class FlashpointCallback(Callback):
         if stage == "fit" and self.io is not None:
             self.io.start_worker()  # in each rank's process, from its main thread, before the model is built
 
-    def attach(self, settings: FlashpointSettings, io: Any) -> None:
+    def attach(self, settings: FlashpointSettings, io: FlashpointCheckpointIO) -> None:
         self.settings, self.io = settings, io
 
     # --- saving ------------------------------------------------------------------------------
@@ -172,11 +183,12 @@ class FlashpointCallback(Callback):
         if self.drain is None or step // every <= self._drained_up_to // every:
             return
         self._drained_up_to = step
-        self.drain.submit(DrainRequest(step, self._durable_names.pop(step, None) or fallback_name(step)))
+        name = self._durable_names.pop(step, None)
+        self.drain.submit(DrainRequest(step, name or fallback_name(step)))
         for old in [s for s in self._durable_names if s < step]:
             del self._durable_names[old]
 
-    def _on_preemption(self, signum: int, frame: Any) -> None:
+    def _on_preemption(self, signum: int, frame: FrameType | None) -> None:
         """Drain the newest committed RAM version (bounded by preemption_grace_s), then die of the signal."""
         from ml_flashpoint_nemo.core.layout import CheckpointLayout
         from ml_flashpoint_nemo.core.versions import committed_steps
@@ -217,9 +229,11 @@ class FlashpointCallback(Callback):
     # --- reporting ---------------------------------------------------------------------------
 
     def _finalize(self, trainer: Any, *, blocking: bool) -> None:
-        self.io.finalize_flashpoint(blocking=blocking)
-        while self.io.outcomes:
-            self._report(trainer, self.io.outcomes.pop(0))
+        io = self.io
+        assert io is not None, "called once wired"
+        io.finalize_flashpoint(blocking=blocking)
+        while io.outcomes:
+            self._report(trainer, io.outcomes.pop(0))
 
     def _replication_numbers(self) -> dict[str, float]:
         """Job-wide replication state at this save (collective: every rank reports the same saves).
@@ -230,7 +244,8 @@ class FlashpointCallback(Callback):
         """
         import torch.distributed as dist
 
-        service = getattr(self.io.flashpoint_strategy, "replication", None)
+        assert self.io is not None, "called once wired"
+        service = self.io.flashpoint_strategy.replication
         if service is None or not service.enabled or not dist.is_initialized():
             return {}
         try:
@@ -244,7 +259,7 @@ class FlashpointCallback(Callback):
         return {"flashpoint/replicated_step": float(min(replicated)),
                 "flashpoint/under_replicated_ranks": float(sum(1 for _, failed in everyone if failed))}
 
-    def _report(self, trainer: Any, outcome: Any) -> None:
+    def _report(self, trainer: Any, outcome: SaveOutcome) -> None:
         blocking = self._blocking.pop(outcome.step, outcome.staging_s)
         if outcome.error:
             self.saves.append({"step": outcome.step, "error": outcome.error})

@@ -68,7 +68,8 @@ class SaveOutcome:
     error: str | None = None
 
 
-def innermost_checkpoint_io(checkpoint_io: CheckpointIO) -> CheckpointIO:
+def innermost_checkpoint_io(checkpoint_io: CheckpointIO | None) -> CheckpointIO | None:
+    """The IO at the bottom of a chain of Lightning wrappers (None if a wrapper has none)."""
     while isinstance(checkpoint_io, _WrappingCheckpointIO):
         checkpoint_io = checkpoint_io.checkpoint_io
     return checkpoint_io
@@ -104,7 +105,7 @@ class FlashpointCheckpointIO(AsyncFinalizableCheckpointIO):
             _warn_fork_can_deadlock()
         self.outcomes: list[SaveOutcome] = []  # finalized saves not yet reported by the callback
         self._pending: deque[tuple[int, float]] = deque()  # (step, time.monotonic() when scheduled), oldest first
-        self._save_strategy: Any = None
+        self._save_strategy: FlashpointSaveStrategy | FullyParallelSaveStrategyWrapper | None = None
         self._validated = False
         self._closing = threading.Lock()
         # first: its workers must be stopped before the pools they write into are released
@@ -139,6 +140,7 @@ class FlashpointCheckpointIO(AsyncFinalizableCheckpointIO):
         # NeMo's parallel load (ckpt_parallel_load, on by default) would read a part on each rank and
         # send the rest over the process group, far slower than a local copy.
         inner = innermost_checkpoint_io(self.checkpoint_io)
+        assert isinstance(inner, MegatronCheckpointIO), "checked when this IO was made"
         parallel_load = getattr(inner, "parallel_load", False)
         inner.parallel_load = False
         try:
@@ -158,9 +160,9 @@ class FlashpointCheckpointIO(AsyncFinalizableCheckpointIO):
     # --- RAM saves ----------------------------------------------------------------------------
 
     @property
-    def save_strategy(self) -> Any:
+    def save_strategy(self) -> FlashpointSaveStrategy | FullyParallelSaveStrategyWrapper:
         if self._save_strategy is None:
-            strategy: Any = self.flashpoint_strategy
+            strategy: FlashpointSaveStrategy | FullyParallelSaveStrategyWrapper = self.flashpoint_strategy
             if self.settings.parallel_save:
                 from megatron.core.parallel_state import get_data_parallel_group
 
@@ -292,7 +294,7 @@ class FlashpointCheckpointIO(AsyncFinalizableCheckpointIO):
     # --- AsyncFinalizableCheckpointIO ---------------------------------------------------------
 
     @property
-    def async_calls_queue(self) -> AsyncCallsQueue:  # type: ignore[override]
+    def async_calls_queue(self) -> AsyncCallsQueue:
         """The durable IO's queue when it has one (NeMo's finalizer callback inspects it)."""
         return getattr(self.checkpoint_io, "async_calls_queue", self.flashpoint_queue)
 

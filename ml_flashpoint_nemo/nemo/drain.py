@@ -25,14 +25,22 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 from ml_flashpoint_nemo.core.layout import MEGATRON_COMMON_NAME, CheckpointLayout
-from ml_flashpoint_nemo.core.loader import open_object, read_object
+from ml_flashpoint_nemo.core.loader import OpenObject, open_object, read_object
 from ml_flashpoint_nemo.core.version_files import read_checked_file
 from ml_flashpoint_nemo.core.versions import fsync_directory, read_commit, write_file_atomically
 from ml_flashpoint_nemo.dcp.conversion import Read, fill_sizes, make_planner, offset_key, plan_dcp_version
 from ml_flashpoint_nemo.errors import DurableDrainError, FlashpointError
+
+if TYPE_CHECKING:  # torch is imported by the drain thread, not with the module
+    import torch
+    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.planner import WriteItem
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    ReadsByItem = dict[tuple[str, tuple[int, ...] | None], tuple[str, Read]]  # (fqn, offset) -> (object, read)
 
 logger = logging.getLogger(__name__)
 
@@ -191,7 +199,7 @@ class DurableDrain:
             logger.info("Durable checkpoint of step %d drained from RAM to %s in %.1f s", request.step,
                         self.durable_dir / request.name, time.monotonic() - started)
 
-    def _write_share(self, request: DrainRequest, temporary: Path) -> tuple[bytes, Any] | None:
+    def _write_share(self, request: DrainRequest, temporary: Path) -> tuple[bytes, Metadata] | None:
         """Write this rank's records into temporary/weights and its done file.
 
         Rank 0 also returns what it needs to publish, read while the version is held: common.pt and the
@@ -211,7 +219,7 @@ class DurableDrain:
             raise
         return version_files
 
-    def _copy_records(self, step: int, weights: Path) -> tuple[list[list[Any]], tuple[bytes, Any] | None]:
+    def _copy_records(self, step: int, weights: Path) -> tuple[list[list[Any]], tuple[bytes, Metadata] | None]:
         from torch.distributed.checkpoint import FileSystemWriter
         from torch.distributed.checkpoint.filesystem import _StoragePrefix
         from torch.distributed.checkpoint.planner import SavePlan
@@ -225,22 +233,23 @@ class DurableDrain:
         mine = {name: reads for name, reads in per_object.items()
                 if (name == "" and self.rank == 0) or (name in records and records[name].rank == self.rank)}
         fill_sizes(self.layout, commit, mine)
-        reads: dict[tuple[str, Any], tuple[str, Read]] = {(r.fqn, r.offset): (name, r)
-                                                          for name, rs in mine.items() for r in rs}
+        reads: ReadsByItem = {(r.fqn, r.offset): (name, r) for name, rs in mine.items() for r in rs}
         my_items = [i for i in items if (i.index.fqn, offset_key(i.index.offset)) in reads]
         version_files = (read_checked_file(self.layout, commit, COMMON_STATE), metadata) if self.rank == 0 else None
         self.throttle.restart()
-        results: list[list[Any]] = []
+        results: list[list[Any]] = []  # JSON rows of the done file, see _decode_done
         with ExitStack() as stack:
-            opened: dict[str, Any] = {}
+            opened: dict[str, OpenObject] = {}
 
-            def resolve(item: Any) -> Any:
+            def resolve(item: WriteItem) -> torch.Tensor | bytes:
                 name, read = reads[(item.index.fqn, offset_key(item.index.offset))]
                 if name == "":
+                    assert read.tensor is not None  # plan_dcp_version: only tensor chunks have no object
                     return read.tensor  # an empty chunk: nothing stored
                 if name not in opened:
                     opened[name] = stack.enter_context(open_object(str(self.layout.object_path(step, name)),
                                                                    records[name]))
+                value: torch.Tensor | bytes
                 if read.tensor is None:
                     value = bytes(read_object(opened[name], keys=[read.key], threads=1)[read.key])
                 else:
@@ -262,7 +271,7 @@ class DurableDrain:
                                     result.size_in_bytes, info.relative_path, info.offset, info.length])
         return results, version_files
 
-    def _publish(self, request: DrainRequest, temporary: Path, common: bytes, metadata: Any) -> None:
+    def _publish(self, request: DrainRequest, temporary: Path, common: bytes, metadata: Metadata) -> None:
         """Rank 0: once every rank's share is there, write the version-level files and make it visible."""
         from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
         from torch.distributed.checkpoint import FileSystemWriter
@@ -296,7 +305,7 @@ class DurableDrain:
         self.published.append((request.step, final))
         self._retire_old(request.step)
 
-    def _wait_for_shares(self, step: int, temporary: Path) -> list[Any]:
+    def _wait_for_shares(self, step: int, temporary: Path) -> list[WriteResult]:
         from torch.distributed.checkpoint.filesystem import _StorageInfo
         from torch.distributed.checkpoint.metadata import MetadataIndex
         from torch.distributed.checkpoint.storage import WriteResult
@@ -328,7 +337,7 @@ class DurableDrain:
             raise DurableDrainError(f"the drain of step {step} failed on " + "; ".join(errors))
         return results
 
-    def _check_shares(self, step: int, metadata: Any, shares: list[Any], weights: Path) -> None:
+    def _check_shares(self, step: int, metadata: Metadata, shares: list[WriteResult], weights: Path) -> None:
         """What the ranks say they wrote must cover the version's DCP metadata and lie inside their files."""
         expected = {(i.fqn, offset_key(i.offset)) for i in (metadata.storage_data or {})}
         sizes: dict[str, int] = {}
@@ -352,8 +361,8 @@ class DurableDrain:
         drained = []
         for entry in _scan(self.durable_dir):
             if entry.name.startswith(f"{TEMP_PREFIX}{self.token}-"):
-                step = entry.name.rsplit("-", 1)[-1]
-                if step.isdigit() and int(step) < newest:
+                suffix = entry.name.rsplit("-", 1)[-1]  # a step (a drain, or a checkpoint set aside) or "context"
+                if suffix.isdigit() and int(suffix) < newest:
                     shutil.rmtree(entry, ignore_errors=True)
                 continue
             mark = entry / DRAINED_MARK
@@ -408,10 +417,10 @@ def remove_stale_drains(durable_dir: Path, token: str) -> None:
             shutil.rmtree(entry, ignore_errors=True)
 
 
-def _buckets(items: list[Any], reads: dict[tuple[str, Any], tuple[str, Read]]) -> list[list[Any]]:
+def _buckets(items: list[WriteItem], reads: ReadsByItem) -> list[list[WriteItem]]:
     """Items in groups of about BUCKET_BYTES, in object order (reads stay sequential)."""
     ordered = sorted(items, key=lambda i: reads[(i.index.fqn, offset_key(i.index.offset))][0])
-    buckets: list[list[Any]] = [[]]
+    buckets: list[list[WriteItem]] = [[]]
     size = 0
     for item in ordered:
         nbytes = reads[(item.index.fqn, offset_key(item.index.offset))][1].nbytes
@@ -423,7 +432,7 @@ def _buckets(items: list[Any], reads: dict[tuple[str, Any], tuple[str, Read]]) -
     return [b for b in buckets if b]
 
 
-def _offsets(offset: Any) -> list[int] | None:
+def _offsets(offset: Iterable[int] | None) -> list[int] | None:
     return None if offset is None else [int(x) for x in offset]
 
 

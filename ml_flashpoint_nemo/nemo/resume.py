@@ -26,6 +26,8 @@ from ml_flashpoint_nemo.replication.choice import choose_version
 
 logger = logging.getLogger(__name__)
 
+_INSTALLED_MARK = "_flashpoint"  # a function attribute on our resume_start (benchmarks mark their wrapper too)
+
 def durable_step(path: Any) -> int | None:
     """The global step saved in a durable NeMo checkpoint (its common state), None if it cannot be read."""
     if not path:
@@ -96,7 +98,7 @@ def install_resume_choice(trainer: Any, settings: FlashpointSettings, *, enabled
     if enabled is not None or not hasattr(trainer, "_flashpoint_resume_enabled"):
         trainer._flashpoint_resume_enabled = settings.resume if enabled is None else enabled
     connector = trainer._checkpoint_connector
-    if getattr(connector.resume_start, "_flashpoint", False):
+    if getattr(connector.resume_start, _INSTALLED_MARK, False):
         return
     original: Callable[..., None] = connector.resume_start
 
@@ -109,7 +111,7 @@ def install_resume_choice(trainer: Any, settings: FlashpointSettings, *, enabled
         original(checkpoint_path)
         trainer._flashpoint_restore_seconds = time.perf_counter() - started  # choosing + reading
 
-    resume_start._flashpoint = True  # type: ignore[attr-defined]
+    setattr(resume_start, _INSTALLED_MARK, True)
     connector.resume_start = resume_start
 
 

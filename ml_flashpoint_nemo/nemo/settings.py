@@ -6,12 +6,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any, Mapping, TypedDict, cast
 
 from ml_flashpoint_nemo.errors import TrainerSetupError
 from ml_flashpoint_nemo.nemo.job import default_base_dir
 
 if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
     from ml_flashpoint_nemo.nemo.callback import FlashpointCallback
     from ml_flashpoint_nemo.nemo.checkpoint_io import FlashpointCheckpointIO
 
@@ -124,7 +126,8 @@ class FlashpointSettings(FlashpointOptions):
     base_dir: Path
 
     @classmethod
-    def create(cls, base_dir: str | os.PathLike[str] | None = None, **options: Any) -> "FlashpointSettings":
+    def create(cls, base_dir: str | os.PathLike[str] | None = None,
+               **options: Unpack[FlashpointOptionValues]) -> "FlashpointSettings":
         """Settings with the base directory resolved (FLASHPOINT_BASE_DIR or the job id) and options checked."""
         settings = cls(base_dir=Path(base_dir) if base_dir else default_base_dir(), **checked_options(options))
         if settings.durable_dir is not None:
@@ -135,14 +138,15 @@ class FlashpointSettings(FlashpointOptions):
         return settings
 
 
-def checked_options(options: dict[str, object]) -> dict[str, object]:
+def checked_options(options: Mapping[str, object]) -> FlashpointOptionValues:
     """The options if every name is known and every value is valid; TrainerSetupError otherwise."""
     known = set(FlashpointOptions.__dataclass_fields__)
     unknown = set(options) - known
     if unknown:
         raise TrainerSetupError(f"unknown flashpoint option(s) {sorted(unknown)}; known: {sorted(known)}")
-    FlashpointOptions(**options).check()  # type: ignore[arg-type]
-    return options
+    named = cast(FlashpointOptionValues, options)  # every name is an option's; check() tests the values
+    FlashpointOptions(**named).check()
+    return named
 
 
 @dataclass(frozen=True)

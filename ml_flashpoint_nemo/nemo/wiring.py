@@ -26,6 +26,7 @@ from ml_flashpoint_nemo.nemo.settings import FlashpointSettings, FlashpointWirin
 
 if TYPE_CHECKING:
     from ml_flashpoint_nemo.nemo.callback import FlashpointCallback
+    from ml_flashpoint_nemo.nemo.settings import FlashpointOptionValues
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ def wire_trainer(
     callback: FlashpointCallback,
     *,
     base_dir: str | os.PathLike[str] | None,
-    options: dict[str, Any],
+    options: FlashpointOptionValues,
     warn_if_wired: bool,
 ) -> FlashpointWiring:
     """Wire trainer with callback and these options; a trainer already wired keeps its wiring.

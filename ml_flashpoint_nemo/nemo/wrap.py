@@ -43,4 +43,4 @@ def wrap_trainer_with_flashpoint(
     else:
         callback = next((c for c in trainer.callbacks if isinstance(c, FlashpointCallback)), None) \
             or FlashpointCallback(base_dir=base_dir, **options)
-    return wire_trainer(trainer, callback, base_dir=base_dir, options=dict(options), warn_if_wired=True).callback
+    return wire_trainer(trainer, callback, base_dir=base_dir, options=options.copy(), warn_if_wired=True).callback

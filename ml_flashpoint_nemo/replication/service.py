@@ -146,7 +146,8 @@ def advertised_host(option: str | None = None) -> str:
 class PeerEndpoints:
     """This rank's running TransferServer, the job secret, this rank and every rank's (host, port) or None."""
 
-    def __init__(self, server: Any, secret: bytes, addresses: list[tuple[str, int] | None], rank: int) -> None:
+    def __init__(self, server: _core.TransferServer | None, secret: bytes, addresses: list[tuple[str, int] | None],
+                 rank: int) -> None:
         self.server = server
         self.secret = secret
         self.addresses = addresses
@@ -158,7 +159,7 @@ class PeerEndpoints:
             self.server = None
 
 
-def transfer_policy(topology: NodeTopology, factor: int | None) -> Any:
+def transfer_policy(topology: NodeTopology, factor: int | None) -> _core.TransferPolicy:
     """What peers may do on this rank's transfer server (a _core.TransferPolicy).
 
     Push: the ranks the placement says replicate to this rank (factor None: none), each only its
@@ -351,7 +352,7 @@ class ReplicationService:
             self._endpoints.close()
 
     @property
-    def server(self) -> Any:
+    def server(self) -> _core.TransferServer | None:
         return self._endpoints.server if self._endpoints else None
 
     @property

@@ -54,7 +54,7 @@ import contextlib
 import importlib.abc
 import importlib.util
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -71,7 +71,8 @@ def _is_cuda(device: Any) -> bool:
 class _CudaDeviceToCpu(TorchFunctionMode):
     """Turns requests for CUDA (or pinned) memory into CPU ones; everything else passes through."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_function__(self, func: Callable[..., Any], types: Collection[type], args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
             return args[0]
@@ -103,12 +104,24 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder):
             exec_module(module)
             self.patch(module)
 
-        spec.loader.exec_module = exec_and_patch  # type: ignore[method-assign]
+        spec.loader.exec_module = exec_and_patch  # type: ignore[method-assign]  # a hook after the stdlib's loader
         return spec
 
 
 def _patch_nemo_io_pl(module: Any) -> None:
     module._fix_tensors_device = lambda ckpt: ckpt
+
+
+def _cpu_device() -> str:
+    return "cpu"
+
+
+def _no_stream(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _no_stream_context(stream: Any = None) -> contextlib.nullcontext[None]:
+    return contextlib.nullcontext()
 
 
 def install_for_checkpointing() -> None:
@@ -119,7 +132,7 @@ def install_for_checkpointing() -> None:
     if torch.cuda.is_available():
         return
     torch.cuda.synchronize = lambda *args, **kwargs: None
-    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.current_device = _cpu_device  # type: ignore[assignment]  # a device name where torch says int
 
 
 def install() -> None:
@@ -129,8 +142,8 @@ def install() -> None:
     setattr(torch.cuda, _FLAG, True)
 
     install_for_checkpointing()
-    torch.cuda.Stream = lambda *args, **kwargs: None
-    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+    torch.cuda.Stream = _no_stream  # type: ignore[misc,assignment]  # the class replaced by a function
+    torch.cuda.stream = _no_stream_context  # type: ignore[assignment]  # a null context, not a StreamContext
 
     from megatron.core.tensor_parallel import random as mrandom
 
