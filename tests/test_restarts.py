@@ -46,6 +46,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -165,7 +166,9 @@ def run_elastic(launcher: str, out: Path, base: Path) -> dict[str, Any]:
 def elastic_run(request, reference, tmp_path_factory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp(f"restart-{request.param}")
     (out / "reference").symlink_to(reference / "reference")
-    base = Path("/dev/shm") / f"flashpoint-test-restart-{out.name}"
+    # Unique per run: pytest's tmp names repeat across sessions, and a session killed before its cleanup
+    # would leave committed versions that the next one resumes from, skipping the crash under test.
+    base = Path("/dev/shm") / f"flashpoint-test-restart-{out.name}-{uuid.uuid4().hex[:12]}"
     try:
         run = run_elastic(request.param, out, base)
     finally:
