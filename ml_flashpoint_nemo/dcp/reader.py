@@ -86,6 +86,7 @@ class MemoryStorageReader(StorageReader):
                 )
         return self._commit
 
+    @without_gc  # unpickling ~1,500 objects per 500 tensors would often set off a full collection here
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         encoded = read_checked_file(self.layout, self._commit_record(), DCP_METADATA_NAME)
         step = self._current_step()  # the commit record's
@@ -96,6 +97,7 @@ class MemoryStorageReader(StorageReader):
                                             load_id=self.load_id)
         return metadata
 
+    @without_gc
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         storage_data = metadata.storage_data  # a dict: decode_metadata checked it
         if not storage_data and metadata.state_dict_metadata:
