@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,18 +20,14 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Sequence
 
+from ml_flashpoint_nemo.testing.ports import free_port
+
 STARTED_FILE_ENV = "LAUNCH_STARTED_FILE"  # where a rank reports that its process group is up
 STARTUP_TIMEOUT_ENV = "LAUNCH_STARTUP_TIMEOUT_S"  # how long its rendezvous may wait for the other ranks
 
 
 class StartupTimeoutError(TimeoutError):
     """Some rank did not get its process group up within the start-up bound (imports, rendezvous)."""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def launch_ranks(script: str, argv: Sequence[str], nproc: int = 2, timeout: float = 600.0,

@@ -23,7 +23,8 @@ swap_in "$instrumented"
 status=0
 if [ $# -eq 0 ]; then
   set -- tests/test_core_extension.py tests/test_transfer_service.py tests/test_hostile_objects.py \
-    tests/test_roundtrip.py tests/test_peer_strings.py
+    tests/test_roundtrip.py tests/test_peer_strings.py tests/test_transfer_authz.py tests/test_transfer_admission.py \
+    tests/test_gmac.py tests/test_transfer_integrity.py
 fi
 $py -m pytest -q -p no:cacheprovider "$@" || status=$?
 objects=$(find "$build" -name '*.gcda' -printf '%h\n' | sort -u)

@@ -11,7 +11,6 @@ import atexit
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,13 +18,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from ml_flashpoint_nemo.testing.ports import free_port
+
+__all__ = ["REPO", "expect_failure", "free_port", "run_ranks", "run_world", "scenario_main"]
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_world(module: str, scenario: str, world_size: int, params: dict[str, Any], *, timeout: float = 180) -> list[str]:
