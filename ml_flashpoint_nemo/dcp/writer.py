@@ -257,9 +257,9 @@ def write_results(record: ObjectRecord, described: list[tuple[MetadataIndex, str
     """
     name = record.name
     results = [WriteResult(index, nbytes, (name, key)) for index, key, nbytes in described]
-    if results:
-        first = results[0]
-        results[0] = WriteResult(first.index, first.size_in_bytes, (name, first.storage_data[1], record))
+    if described:
+        index, key, nbytes = described[0]
+        results[0] = WriteResult(index, nbytes, (name, key, record))
     return results
 
 
