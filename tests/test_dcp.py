@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import pickle
+import re
 import subprocess
 import sys
 import warnings
@@ -441,15 +442,98 @@ def test_metadata_bytes_are_reused_only_while_the_structure_repeats(base_dir, pl
         assert meta.save_id == read_commit(CheckpointLayout(base_dir), step).metadata["save_id"]
 
 
+def test_storage_data_follows_each_save_even_when_record_keys_repeat(base_dir):
+    """The coordinator reuses storage_data while the items and their objects repeat: the reuse compares DCP
+    indices, not record keys (a tensor "x" at offset 0 and a value named "x@0" share the key "x@0"), and what
+    the caller does to the Metadata dcp.save returned does not reach the next save's `.metadata`."""
+    writer = MemoryStorageWriter(base_dir, keep=5)
+    states = [{"x": torch.arange(3.0), "y": torch.ones(2)},
+              {"x@0": "not a tensor", "y": torch.full((2,), 5.0)},
+              {"x": torch.arange(3.0) + 1, "y": torch.ones(2)},
+              {"x": torch.arange(3.0) + 2, "y": torch.ones(2)},
+              {"x": torch.arange(3.0) + 3, "y": torch.ones(2)}]
+    for step, state in enumerate(states, start=1):
+        returned = dcp_without_process_group(lambda: dcp.save(state, checkpoint_id=base_dir / f"step-{step}",
+                                                              storage_writer=writer))
+        expected = {(i.fqn, tuple(i.offset) if i.offset is not None else None) for i in returned.storage_data}
+        on_file = pickle.loads((base_dir / f"step-{step}" / ".metadata").read_bytes()).storage_data
+        assert {(i.fqn, tuple(i.offset) if i.offset is not None else None) for i in on_file} == expected, step
+        assert sorted(on_file.values()) == sorted(returned.storage_data.values()), step
+        returned.storage_data.clear()  # the caller's copy: the writer's cache must not be it
+    writer.close()
+    for step, state in enumerate(states, start=1):
+        dest: dict[str, Any] = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else "" for k, v in state.items()}
+        dcp_without_process_group(lambda: dcp.load(dest, checkpoint_id=base_dir / f"step-{step}",
+                                                   storage_reader=MemoryStorageReader(base_dir)))
+        for key, value in state.items():
+            assert torch.equal(dest[key], value) if isinstance(value, torch.Tensor) else dest[key] == value, (step, key)
+
+
+def test_metadata_file_writes_equal_sizes_once_and_decodes_to_the_saved_metadata(base_dir):
+    """Equal sizes, offsets and tensor properties are one object each in `.metadata` (smaller, faster to
+    unpickle); what it decodes to equals the Metadata DCP built, torch.Size stays torch.Size."""
+    state = {f"layer{i}": {"w": torch.randn(4, 3), "b": torch.randn(3)} for i in range(6)}
+    writer = MemoryStorageWriter(base_dir)
+    returned = dcp_without_process_group(lambda: dcp.save(state, checkpoint_id=base_dir / "step-1",
+                                                          storage_writer=writer))
+    writer.close()
+    decoded = pickle.loads((base_dir / "step-1" / ".metadata").read_bytes())
+    assert decoded.storage_meta is None
+    returned.storage_meta = None
+    assert decoded == returned
+    weights = [decoded.state_dict_metadata[f"layer{i}.w"] for i in range(6)]
+    assert all(type(w.size) is torch.Size and type(w.chunks[0].offsets) is torch.Size for w in weights)
+    assert len({id(w.size) for w in weights}) == 1 and len({id(w.properties) for w in weights}) == 1
+    assert weights[0].size is weights[0].chunks[0].sizes
+
+
+@pytest.mark.parametrize("offsets, sizes, message", [
+    (torch.Size([0, 0]), torch.Size([4, 3]), None),
+    (torch.Size([1, 0]), torch.Size([4, 3]), "outside the tensor's shape [4, 3]"),
+    (torch.Size([0, 0]), torch.Size([2, 3]), "holding 6 elements, but the tensor [4, 3] has 12"),
+    ((0.0, 0), torch.Size([4, 3]), "not non-negative integers"),
+    (torch.Size([0, 0]), [4, 3], "not non-negative integers"),
+    (torch.Size([0]), torch.Size([4, 3]), "outside the tensor's shape [4, 3]"),
+])
+def test_a_single_chunk_is_checked_as_strictly_as_several(offsets, sizes, message):
+    """A tensor stored as one chunk takes a short path through the check; it accepts only the whole tensor."""
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from ml_flashpoint_nemo.dcp.metadata_file import checked_chunk_sizes
+
+    stored = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([4, 3]),
+                                   [ChunkStorageMetadata(offsets, sizes)])
+    metadata = Metadata({"w": stored}, storage_data={})
+    if message is None:
+        assert checked_chunk_sizes(metadata, 1) == {("w", (0, 0)): (4, 3)}
+    else:
+        with pytest.raises(CorruptCheckpointError, match=re.escape(message)):
+            checked_chunk_sizes(metadata, 1)
+
+
 def test_metadata_that_does_not_fit_fails_the_save_clearly_and_leaves_no_temporary(tmp_path):
     """.metadata goes through versions.write_file_atomically: ENOSPC (from a real full tmpfs) becomes
     OutOfSpaceError, the half-written temporary is removed, and the committed version before it still loads."""
     from tests.support.tmpfs import mounted_tmpfs
 
-    # 20000 one-element tensors: an object of about 7.7 MB and a .metadata of about 3.3 MB, so in 20 MiB
-    # the second save's object still fits and its .metadata does not.
+    # 20000 one-element tensors: an object of about 7.7 MB and a .metadata of about 2.3 MB. The tmpfs is sized
+    # from a first save elsewhere so that the second save's object still fits and its .metadata does not.
     state = {f"t{i}": torch.full((1,), float(i)) for i in range(20000)}
-    with mounted_tmpfs(tmp_path / "tmpfs", "20m") as mount_point:
+    probe = MemoryStorageWriter(tmp_path / "probe")
+    try:
+        dcp.save(state, checkpoint_id=tmp_path / "probe" / "step-1", storage_writer=probe)
+    finally:
+        probe.close()
+    object_nbytes = sum(p.stat().st_size for p in (tmp_path / "probe" / "step-1").glob("*.fpo"))
+    metadata_nbytes = (tmp_path / "probe" / "step-1" / ".metadata").stat().st_size
+    assert metadata_nbytes > 1_000_000, metadata_nbytes  # room for the margin below
+    size_kib = (2 * object_nbytes + metadata_nbytes + metadata_nbytes // 2) // 1024  # half a .metadata short
+    with mounted_tmpfs(tmp_path / "tmpfs", f"{size_kib}k") as mount_point:
         base = mount_point / "base"
         writer = MemoryStorageWriter(base)
         try:

@@ -7,7 +7,6 @@ by CRC32C on the way). When the load plan asks for part of a stored chunk
 
 from __future__ import annotations
 
-import functools
 import io
 import logging
 import os
@@ -30,13 +29,15 @@ from ml_flashpoint_nemo.dcp.metadata_file import checked_chunk_sizes, decode_met
 from ml_flashpoint_nemo.dcp.storage_info import (
     DCP_METADATA_NAME,
     CheckpointIdCheck,
-    ItemLocation,
     item_location,
     step_of_checkpoint_id,
 )
 from ml_flashpoint_nemo.errors import CorruptCheckpointError, VersionNotFoundError
 
 logger = logging.getLogger(__name__)
+
+_Location = tuple[str, str, tuple[int, ...] | None]  # object name, record key, checked chunk size (None: bytes)
+_Request = tuple[ReadItem, str, tuple[int, ...] | None, bool]  # item, record key, chunk size, asks for all of it
 
 
 class MemoryStorageReader(StorageReader):
@@ -52,8 +53,8 @@ class MemoryStorageReader(StorageReader):
         self.step: int | None = None
         self.load_id = uuid.uuid4().hex
         self._commit: CommitRecord | None = None
-        self._storage_data: dict[tuple[str, Any], ItemLocation] = {}  # (fqn, offset) -> where it is
-        self._chunk_sizes: dict[tuple[str, Any], tuple[int, ...]] = {}  # (fqn, offset) -> checked chunk size
+        # (fqn, offset), what DCP's MetadataIndex compares -> (object name, record key, checked chunk size or None)
+        self._locations: dict[tuple[str, Any], _Location] = {}
 
     validate_checkpoint_id = CheckpointIdCheck()  # agrees with reset(): see step_of_checkpoint_id
 
@@ -109,9 +110,13 @@ class MemoryStorageReader(StorageReader):
         # Keyed by (fqn, offset), what MetadataIndex compares: tuple hashing and equality run in C,
         # MetadataIndex's dataclass __hash__/__eq__ in Python (two calls per item otherwise).
         step = self.step
-        self._storage_data = {(index.fqn, index.offset): item_location(value, index, step)
-                              for index, value in storage_data.items()}
-        self._chunk_sizes = checked_chunk_sizes(metadata, step)
+        chunk_sizes = checked_chunk_sizes(metadata, step)
+        locations: dict[tuple[str, Any], _Location] = {}
+        for index, value in storage_data.items():
+            at = (index.fqn, index.offset)
+            name, key = item_location(value, index, step)
+            locations[at] = (name, key, chunk_sizes.get(at))
+        self._locations = locations
         self._commit_record()
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -124,83 +129,88 @@ class MemoryStorageReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> "torch.futures.Future[None]":
         commit = self._commit_record()
         records = {o.name: o for o in commit.objects}
-        storage_data = self._storage_data
-        by_object: dict[str, list[tuple[ReadItem, str]]] = {}
-        for item in plan.items:
+        locations = self._locations
+        byte_io = LoadItemType.BYTE_IO
+        by_object: dict[str, list[_Request]] = {}
+        for item in plan.items:  # one pass, ~500 items: every check here runs per item
             index = item.storage_index
-            location = storage_data.get((index.fqn, index.offset))
+            location = locations.get((index.fqn, index.offset))
             if location is None:
                 raise CorruptCheckpointError(
                     f"{index.fqn} (offset {list(index.offset or [])}) has no storage data in version {self.step}"
                 )
-            if item.type != LoadItemType.BYTE_IO:
-                self._check_request(item)
-            name, key = location
-            keyed = by_object.get(name)
-            if keyed is None:
-                by_object[name] = [(item, key)]
+            name, key, chunk = location
+            whole = False
+            if item.type is not byte_io:
+                # The common request, a whole stored chunk, is inside it by definition; any other is checked.
+                whole = item.lengths == chunk and not any(item.storage_offsets)
+                if not whole:
+                    self._check_request(item, chunk)
+            requests = by_object.get(name)
+            if requests is None:
+                by_object[name] = [(item, key, chunk, whole)]
             else:
-                keyed.append((item, key))
-        for name, keyed in by_object.items():
+                requests.append((item, key, chunk, whole))
+        for name, requests in by_object.items():
             if name not in records:
                 raise CorruptCheckpointError(f"object {name} is not listed in the commit record of step {self.step}")
             with open_object(str(self.layout.object_path(commit.step, name)), records[name]) as obj:
-                self._read_items(obj, keyed, planner)
+                self._read_items(obj, requests, planner)
         future: torch.futures.Future[None] = torch.futures.Future()
         future.set_result(None)
         return future
 
-    def _read_items(self, obj: OpenObject, keyed: list[tuple[ReadItem, str]], planner: LoadPlanner) -> None:
+    def _read_items(self, obj: OpenObject, requests: list[_Request], planner: LoadPlanner) -> None:
         """Read the items of one object: whole chunks straight into their destinations, parts through a copy.
 
         The direct path needs one item per stored chunk asking for all of it, into a destination
         of its dtype (read_object then checks the shape and reads in place, verifying the CRC).
-        Everything else (resharding, dtype conversion) reads the chunk once, verified, and copies
-        the parts out.
+        Everything else (resharding, dtype conversion, a chunk asked for twice) reads the chunk
+        once, verified, and copies the parts out.
         """
         entries = {e.key: e for e in obj.entries}
-        items_by_key: dict[str, list[ReadItem]] = {}
-        for item, key in keyed:
-            group = items_by_key.get(key)
-            if group is None:
-                items_by_key[key] = [item]
-            else:
-                group.append(item)
-        direct: dict[str, torch.Tensor] = {}  # whole stored chunk -> its destination, read in place
-        direct_items: list[tuple[ReadItem, torch.Tensor]] = []
-        resolved: dict[int, torch.Tensor] = {}  # id(item) -> destination, for items resolved but read through a copy
-        partial_keys: list[str] = []
-        byte_keys: list[str] = []
-        for key, key_items in items_by_key.items():
+        direct: dict[str, tuple[ReadItem, torch.Tensor]] = {}  # record key -> (its one item, its destination)
+        copied: dict[str, list[tuple[ReadItem, torch.Tensor | None]]] = {}  # key -> items, destinations resolved or not
+        as_bytes: dict[str, list[ReadItem]] = {}
+        byte_io = LoadItemType.BYTE_IO
+        for item, key, chunk, whole in requests:
             entry = entries.get(key)
             if entry is None:
                 raise CorruptCheckpointError(f"record {key!r} is missing from {obj.path}")
-            first = key_items[0]
-            if first.type == LoadItemType.BYTE_IO:
-                byte_keys.append(key)
+            if item.type is byte_io:
+                as_bytes.setdefault(key, []).append(item)
                 continue
-            self._check_record(first, entry, obj.path)  # one chunk per key: its items share the storage index
-            if len(key_items) == 1 and _covers_whole_chunk(first, entry):
-                target = _destination(planner, first)
-                if _dtype_name(target.dtype) == entry.dtype:
-                    direct[key] = target
-                    direct_items.append((first, target))
-                    continue
-                resolved[id(first)] = target
-            partial_keys.append(key)
-        loaded = read_object(obj, into=direct, keys=partial_keys + byte_keys, threads=self.threads)
-        for item, target in direct_items:
+            pieces = copied.get(key)
+            if pieces is not None:
+                pieces.append((item, None))
+                continue
+            earlier = direct.pop(key, None)
+            if earlier is not None:  # the chunk is asked for twice: both go through a copy
+                copied[key] = [earlier, (item, None)]
+                continue
+            if chunk != entry.shape:  # once per record: the stored record has the shape the metadata gives
+                self._check_record(item, entry, chunk, obj.path)
+            if whole:
+                target = _destination(planner, item)
+                if (_DTYPE_NAMES.get(target.dtype) or _dtype_name(target.dtype)) == entry.dtype:
+                    direct[key] = (item, target)
+                else:
+                    copied[key] = [(item, target)]
+            else:
+                copied[key] = [(item, None)]
+        loaded = read_object(obj, into={key: target for key, (_, target) in direct.items()},
+                             keys=[*copied, *as_bytes], threads=self.threads)
+        for item, target in direct.values():
             planner.commit_tensor(item, target)
-        for key in partial_keys:
+        for key, pieces in copied.items():
             stored = loaded[key]
             if not isinstance(stored, torch.Tensor):
                 raise CorruptCheckpointError(f"record {key!r} in {obj.path} holds bytes where the DCP metadata has a tensor")
-            for item in items_by_key[key]:
+            for item, resolved in pieces:
                 source = stored
                 for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths)):
                     source = source.narrow(dim, offset, length)
-                pending = resolved.pop(id(item), None)
-                target = pending if pending is not None else _destination(planner, item)
+                target = resolved if resolved is not None else _destination(planner, item)
                 if target.shape != source.shape:
                     raise CorruptCheckpointError(
                         f"{item.dest_index.fqn}: the load plan asks for {list(source.shape)} elements of the stored "
@@ -208,18 +218,16 @@ class MemoryStorageReader(StorageReader):
                     )
                 target.copy_(source)
                 planner.commit_tensor(item, target)
-        for key in byte_keys:
+        for key, items in as_bytes.items():
             data = loaded[key]
             if not isinstance(data, bytes):
                 raise CorruptCheckpointError(f"record {key!r} in {obj.path} holds a tensor where the DCP metadata has bytes")
-            for item in items_by_key[key]:
+            for item in items:
                 planner.load_bytes(item, io.BytesIO(data))
 
-
-    def _check_request(self, item: ReadItem) -> None:
+    def _check_request(self, item: ReadItem, chunk: tuple[int, ...] | None) -> None:
         """The plan asks for a part inside the stored chunk the metadata describes (checked before any read)."""
         index = item.storage_index
-        chunk = self._chunk_sizes.get((index.fqn, index.offset))
         offsets, lengths = tuple(item.storage_offsets), tuple(item.lengths)
         if chunk is None or len(offsets) != len(chunk) or len(lengths) != len(chunk) or any(
                 o < 0 or n < 0 or o + n > d for o, n, d in zip(offsets, lengths, chunk)):
@@ -230,16 +238,16 @@ class MemoryStorageReader(StorageReader):
                 "satisfied from this version"
             )
 
-    def _check_record(self, item: ReadItem, entry: IndexEntry, path: str) -> None:
+    def _check_record(self, item: ReadItem, entry: IndexEntry, chunk: tuple[int, ...] | None, path: str) -> None:
         """The stored record has the shape the metadata gives its chunk."""
-        index = item.storage_index
-        chunk = self._chunk_sizes.get((index.fqn, index.offset))
         if chunk != tuple(entry.shape):
+            index = item.storage_index
             raise CorruptCheckpointError(
                 f"{index.fqn} (offset {list(index.offset or [])}): the record in {path} holds {list(entry.shape)} "
                 f"elements but the DCP metadata of version {self.step} says {list(chunk or [])}. Load another "
                 "version, or the durable checkpoint."
             )
+
 
 def _destination(planner: LoadPlanner, item: ReadItem) -> torch.Tensor:
     """The tensor the planner resolves for item, without autograd history (it is written in place)."""
@@ -247,10 +255,9 @@ def _destination(planner: LoadPlanner, item: ReadItem) -> torch.Tensor:
     return target.detach() if target.requires_grad else target
 
 
-@functools.lru_cache(maxsize=None)
+_DTYPE_NAMES: dict[torch.dtype, str] = {}  # filled by _dtype_name: a dict lookup per item, not a call
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
-    return dtype_name(dtype)
-
-
-def _covers_whole_chunk(item: ReadItem, entry: IndexEntry) -> bool:
-    return not any(item.storage_offsets) and tuple(item.lengths) == tuple(entry.shape)
+    name = _DTYPE_NAMES[dtype] = dtype_name(dtype)
+    return name

@@ -1,12 +1,13 @@
 """How a DCP item maps to a record of a flashpoint object, and how versions are named.
 
 Two forms, both plain tuples (pickled in C, not through a class's reduce):
-- WrittenItem, a WriteResult's storage_data: the item's ItemLocation, and for the first item of
-  each object also the object's record (object name, record key, record). DCP gathers these
-  from every rank; the coordinator lists the records in the commit record. The record travels
-  once per object, not once per item, because finish() handles every item of the job.
-- ItemLocation, the storage_data kept in `.metadata`: the object's file name and the record
-  key, plain strings, so `.metadata` unpickles with torch alone.
+- RankWrite, the storage_data of the one WriteResult a rank's write_data returns: the object's
+  name and record, and the record key and DCP index of each of its items, in plan order. One
+  result per rank rather than one per item: DCP only gathers the results and hands them to
+  finish(), which is ours, and 500 WriteResult objects cost more to build and to gather than
+  the tuples they would carry. The coordinator lists the records in the commit record.
+- ItemLocation, the storage_data kept in `.metadata` per item: the object's file name and the
+  record key, plain strings, so `.metadata` unpickles with torch alone.
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ from ml_flashpoint_nemo.core.format import ObjectRecord
 from ml_flashpoint_nemo.core.layout import DCP_METADATA_NAME, CheckpointLayout, step_of_version_dir
 from ml_flashpoint_nemo.errors import BaseDirError, CorruptCheckpointError
 
-__all__ = ["DCP_METADATA_NAME", "CheckpointIdCheck", "ItemLocation", "WrittenItem", "item_location", "record_key",
+__all__ = ["DCP_METADATA_NAME", "CheckpointIdCheck", "ItemLocation", "RankWrite", "item_location", "record_key",
            "record_key_of", "step_of_checkpoint_id"]
 
 ItemLocation = tuple[str, str]  # (object file name, record key)
-WrittenItem = ItemLocation | tuple[str, str, ObjectRecord]  # the second form for an object's first item
+# (object file name, object record, record key per item, DCP index per item), items in plan order
+RankWrite = tuple[str, ObjectRecord, tuple[str, ...], tuple[MetadataIndex, ...]]
 
 
 def item_location(value: Any, index: MetadataIndex, step: int | None) -> ItemLocation:

@@ -33,7 +33,7 @@ from ml_flashpoint_nemo.dcp.staging import StagingBuffers
 from ml_flashpoint_nemo.dcp.storage_info import (
     DCP_METADATA_NAME,
     CheckpointIdCheck,
-    ItemLocation,
+    RankWrite,
     record_key_of,
     step_of_checkpoint_id,
 )
@@ -142,7 +142,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         saver = self._saver_for_rank()
         retire_superseded(self.layout.base_dir, keep=self.keep, rank=self.rank, pool=saver.pool,
                           world_size=dist.get_world_size() if dist.is_initialized() else None)
-        flat, described = resolve_write_items(plan, planner)
+        flat, items = resolve_write_items(plan, planner)
         future: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
         if not flat:
             # Nothing of the state is on this rank (an empty state): no object, none the commit record could list.
@@ -151,26 +151,18 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             future.set_result([])
             return future
         written = saver.write_object(self.step, flat, overwrite=True)
-        future.set_result(write_results(written.record, described))
+        future.set_result(write_results(written.record, items))
         return future
 
     @without_gc
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         if self.step is None:
             raise BaseDirError("finish called before reset(checkpoint_id)")
-        # One dict comprehension over every item (the per-item cost is what this budget is about); each
-        # object's first item also carries its record, which the commit record lists.
-        storage_data: dict[Any, ItemLocation] = {wr.index: wr.storage_data for per_rank in results for wr in per_rank}
-        objects: list[ObjectRecord] = []
-        for per_rank in results:
-            if per_rank:
-                first = per_rank[0]
-                name, key, record = first.storage_data
-                storage_data[first.index] = (name, key)
-                objects.append(record)
-        metadata.storage_data = storage_data
+        # One RankWrite per rank that holds part of the state (see storage_info); an empty rank returns none.
+        writes: list[RankWrite] = [result.storage_data for per_rank in results for result in per_rank]
+        objects: list[ObjectRecord] = [write[1] for write in writes]
         metadata.storage_meta = self.storage_meta()  # for dcp.save's caller; the file leaves it out
-        encoded = encode_metadata(self.layout.base_dir, metadata)
+        encoded = encode_metadata(self.layout.base_dir, metadata, writes)  # also sets metadata.storage_data
         described = describe_bytes(encoded)
         version_dir = self.layout.version_dir(self.step)
         version_dir.mkdir(parents=True, exist_ok=True)
@@ -250,26 +242,23 @@ def warm_up_rank_pool(base_dir: str | os.PathLike[str], rank: int) -> None:
     _process_saver(CheckpointLayout(base_dir), rank).pool.start_warmup()
 
 
-def write_results(record: ObjectRecord, described: list[tuple[MetadataIndex, str, int]]) -> list[WriteResult]:
-    """One WriteResult per item of the object `record` describes; storage_data is a WrittenItem.
-
-    Every item gets its ItemLocation, the first one also the record (see WrittenItem).
-    """
-    name = record.name
-    results = [WriteResult(index, nbytes, (name, key)) for index, key, nbytes in described]
-    if described:
-        index, key, nbytes = described[0]
-        results[0] = WriteResult(index, nbytes, (name, key, record))
-    return results
+PlannedItems = tuple[tuple[str, ...], tuple[MetadataIndex, ...]]  # record key and DCP index of each item, in plan order
 
 
-def resolve_write_items(plan: SavePlan, planner: SavePlanner) -> tuple[dict[str, Any], list[tuple[MetadataIndex, str, int]]]:
-    """The plan's items as a flat state for the saver, and (index, record key, nbytes) per item.
+def write_results(record: ObjectRecord, items: PlannedItems) -> list[WriteResult]:
+    """The one WriteResult of this rank's object `record`; its storage_data is a RankWrite (see storage_info)."""
+    keys, indices = items
+    return [WriteResult(indices[0], record.nbytes, (record.name, record, keys, indices))] if indices else []
+
+
+def resolve_write_items(plan: SavePlan, planner: SavePlanner) -> tuple[dict[str, Any], PlannedItems]:
+    """The plan's items as a flat state for the saver, and their record keys and indices.
 
     One pass over the items: resolve_data once each (the planner's API), record keys once each.
     """
     flat: dict[str, Any] = {}
-    described: list[tuple[MetadataIndex, str, int]] = []
+    keys: list[str] = []
+    indices: list[MetadataIndex] = []
     resolve = planner.resolve_data
     byte_io = WriteItemType.BYTE_IO
     for item in plan.items:
@@ -279,8 +268,6 @@ def resolve_write_items(plan: SavePlan, planner: SavePlanner) -> tuple[dict[str,
             data = resolved.getbuffer() if isinstance(resolved, io.BytesIO) else memoryview(bytes(resolved))
         else:
             data = cast(torch.Tensor, resolved)  # DCP resolves a tensor item to its tensor
-        # nbytes of a tensor is numel * element_size; of a buffer, its length in bytes
-        nbytes = data.nbytes
         index = item.index
         key = record_key_of(index.fqn, index.offset)
         if key in flat:
@@ -289,5 +276,6 @@ def resolve_write_items(plan: SavePlan, planner: SavePlanner) -> tuple[dict[str,
                 "rename the state dict key that contains '@'"
             )
         flat[key] = data
-        described.append((index, key, nbytes))
-    return flat, described
+        keys.append(key)
+        indices.append(index)
+    return flat, (tuple(keys), tuple(indices))

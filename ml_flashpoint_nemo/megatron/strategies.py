@@ -53,7 +53,7 @@ from megatron.core.dist_checkpointing.strategies.torch import (
     mcore_to_pyt_state_dict,
 )
 from torch.distributed import checkpoint as torch_dcp
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 
@@ -86,6 +86,7 @@ from ml_flashpoint_nemo.core.versions import read_commit, retire_superseded
 from ml_flashpoint_nemo.dcp.reader import MemoryStorageReader
 from ml_flashpoint_nemo.dcp.writer import (
     MemoryStorageWriter,
+    PlannedItems,
     release_process_savers,
     resolve_write_items,
     write_results,
@@ -123,7 +124,7 @@ class _StagingWriter(MemoryStorageWriter):
         self.reset(checkpoint_id)
         self.staged: StagedObject | None = None
         self.stage_error: str | None = None
-        self.items: list[tuple[MetadataIndex, str, int]] = []  # (item index, record key, nbytes)
+        self.items: PlannedItems = ((), ())  # record key and DCP index of each item of this rank's plan
 
     def prepare_write_data(self, plan: SavePlan, planner: SavePlanner) -> None:
         """Blocking phase: copy this rank's items into a pool buffer (checksums come later).
