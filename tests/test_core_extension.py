@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from ml_flashpoint_nemo import _core
 from ml_flashpoint_nemo._core import ShmBuffer
+from tests.support.smaps import mapping_kib
 from tests.support.tmpfs import mounted_tmpfs
 
 PAGE = _core.page_size()
@@ -75,20 +76,6 @@ def buffer_bytes(buffer: ShmBuffer, offset: int = 0, nbytes: int | None = None) 
     end = buffer.size if nbytes is None else offset + nbytes
     with memoryview(buffer) as view:
         return bytes(view[offset:end])
-
-
-def mapped_rss_kib(address: int) -> int:
-    """Resident size of the mapping that starts at address, from /proc/self/smaps."""
-    with open("/proc/self/smaps") as smaps:
-        inside = False
-        for line in smaps:
-            first = line.split(" ", 1)[0]
-            if "-" in first and ":" not in first:
-                start = first.split("-", 1)[0]
-                inside = int(start, 16) == address
-            elif inside and line.startswith("Rss:"):
-                return int(line.split()[1])
-    raise AssertionError(f"no mapping starts at {address:#x}")
 
 
 def free_bytes(path: Path) -> int:
@@ -275,7 +262,7 @@ def test_create_allocates_large_buffers_up_front(shm_dir):
     try:
         assert buffer.size == 32 * MiB + PAGE
         assert path.stat().st_blocks * 512 >= buffer.size
-        assert mapped_rss_kib(buffer.address) == 0  # reserved, but not yet mapped in
+        assert mapping_kib(buffer.address, "Rss") == 0  # reserved, but not yet mapped in
     finally:
         buffer.close()
 
@@ -451,13 +438,13 @@ def test_prefault_maps_the_pages_in_without_changing_them(shm_dir):
     size = 4 * MiB
     buffer = ShmBuffer.create(str(shm_dir / "buf"), size)
     try:
-        assert mapped_rss_kib(buffer.address) == 0
+        assert mapping_kib(buffer.address, "Rss") == 0
         buffer.prefault(0, 256 * 1024)
-        assert mapped_rss_kib(buffer.address) >= 256
-        assert mapped_rss_kib(buffer.address) < size // 1024
+        assert mapping_kib(buffer.address, "Rss") >= 256
+        assert mapping_kib(buffer.address, "Rss") < size // 1024
         buffer.prefault(3 * MiB + 5)  # to the end, from an unaligned offset
         buffer.prefault()
-        assert mapped_rss_kib(buffer.address) == size // 1024
+        assert mapping_kib(buffer.address, "Rss") == size // 1024
         assert buffer_bytes(buffer) == bytes(size)  # the write-faults did not change a byte
 
         with memoryview(buffer) as view:
@@ -478,7 +465,7 @@ def test_prefault_on_a_read_only_buffer(shm_dir):
     reader = ShmBuffer.open(str(path))
     try:
         reader.prefault()
-        assert mapped_rss_kib(reader.address) == 2 * MiB // 1024
+        assert mapping_kib(reader.address, "Rss") == 2 * MiB // 1024
     finally:
         reader.close()
 

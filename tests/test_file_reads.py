@@ -26,6 +26,7 @@ import pytest
 
 from ml_flashpoint_nemo import _core
 from ml_flashpoint_nemo._core import ShmBuffer
+from tests.support.smaps import mapping_kib
 from tests.support.tmpfs import mounted_tmpfs
 
 MiB = 1 << 20
@@ -168,31 +169,6 @@ def shmem_huge_pages_possible() -> bool:
     return "[deny]" not in setting
 
 
-def pmd_mapped_kib(address: int) -> int:
-    """ShmemPmdMapped of the mapping that starts at address: its bytes mapped as 2 MiB pages."""
-    with open("/proc/self/smaps") as smaps:
-        inside = False
-        for line in smaps:
-            first = line.split(" ", 1)[0]
-            if "-" in first and ":" not in first:
-                inside = int(first.split("-", 1)[0], 16) == address
-            elif inside and line.startswith("ShmemPmdMapped:"):
-                return int(line.split()[1])
-    raise AssertionError(f"no mapping starts at {address:#x}")
-
-
-def rss_kib(address: int) -> int:
-    with open("/proc/self/smaps") as smaps:
-        inside = False
-        for line in smaps:
-            first = line.split(" ", 1)[0]
-            if "-" in first and ":" not in first:
-                inside = int(first.split("-", 1)[0], 16) == address
-            elif inside and line.startswith("Rss:"):
-                return int(line.split()[1])
-    raise AssertionError(f"no mapping starts at {address:#x}")
-
-
 @pytest.fixture(params=["within_size", "advise"])
 def huge_tmpfs(request, tmp_path: Path) -> Iterator[Path]:
     """A tmpfs that gives huge pages: to every file (within_size) or to mappings that ask (advise)."""
@@ -233,7 +209,7 @@ def test_buffers_get_huge_pages_where_the_tmpfs_gives_them(huge_tmpfs):
     try:
         assert buffer.address % HUGE_PAGE == 0, "a mapping not on a 2 MiB boundary cannot use huge pages"
         buffer.prefault()
-        assert pmd_mapped_kib(buffer.address) == 16 * 1024, "every page of the buffer is huge and mapped as such"
+        assert mapping_kib(buffer.address, "ShmemPmdMapped") == 16 * 1024, "every page of the buffer is huge and mapped as such"
         with memoryview(buffer) as view:
             view[:] = b"\x11" * buffer.size
         buffer.grow(20 * MiB)
@@ -268,9 +244,9 @@ def test_auto_maps_files_of_huge_pages_and_reads_them_bit_exact(huge_tmpfs):
 def test_small_pages_are_read_with_pread_and_buffers_work_without_huge_pages(small_page_tmpfs):
     buffer = ShmBuffer.create(str(small_page_tmpfs / "buf"), 16 * MiB)
     try:
-        assert rss_kib(buffer.address) == 0, "without huge pages a new buffer is reserved, not mapped in"
+        assert mapping_kib(buffer.address, "Rss") == 0, "without huge pages a new buffer is reserved, not mapped in"
         buffer.prefault()
-        assert pmd_mapped_kib(buffer.address) == 0
+        assert mapping_kib(buffer.address, "ShmemPmdMapped") == 0
         with memoryview(buffer) as view:
             view[:] = b"\x22" * buffer.size
     finally:
