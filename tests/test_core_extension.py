@@ -78,6 +78,12 @@ def buffer_bytes(buffer: ShmBuffer, offset: int = 0, nbytes: int | None = None) 
         return bytes(view[offset:end])
 
 
+def read_only_buffer(path: Path, size: int) -> ShmBuffer:
+    """A new buffer of `size` zero bytes at path, its writer closed, opened again read-only."""
+    ShmBuffer.create(str(path), size).close()
+    return ShmBuffer.open(str(path))
+
+
 def free_bytes(path: Path) -> int:
     stats = os.statvfs(path)
     return stats.f_bfree * stats.f_frsize
@@ -423,9 +429,7 @@ def test_grow_is_refused_while_views_exist(shm_dir):
 
 
 def test_grow_of_a_read_only_buffer_is_refused(shm_dir):
-    path = shm_dir / "buf"
-    ShmBuffer.create(str(path), PAGE).close()
-    reader = ShmBuffer.open(str(path))
+    reader = read_only_buffer(shm_dir / "buf", PAGE)
     try:
         with pytest.raises(ValueError):
             reader.grow(2 * PAGE)
@@ -460,9 +464,7 @@ def test_prefault_maps_the_pages_in_without_changing_them(shm_dir):
 
 
 def test_prefault_on_a_read_only_buffer(shm_dir):
-    path = shm_dir / "buf"
-    ShmBuffer.create(str(path), 2 * MiB).close()
-    reader = ShmBuffer.open(str(path))
+    reader = read_only_buffer(shm_dir / "buf", 2 * MiB)
     try:
         reader.prefault()
         assert mapping_kib(reader.address, "Rss") == 2 * MiB // 1024
@@ -754,9 +756,7 @@ def test_copy_into_buffer_refuses_malformed_op_lists(shm_dir):
 
 
 def test_copy_into_a_read_only_buffer_is_refused(shm_dir):
-    path = shm_dir / "buf"
-    ShmBuffer.create(str(path), PAGE).close()
-    reader = ShmBuffer.open(str(path))
+    reader = read_only_buffer(shm_dir / "buf", PAGE)
     source = torch.ones(16, dtype=torch.uint8)
     try:
         with pytest.raises(ValueError, match="read-only"):
