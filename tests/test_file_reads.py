@@ -204,6 +204,15 @@ def read_all(path: Path, method: str, threads: int = 2) -> tuple[str, bytes, int
     return picked, bytes(destination), crcs[0]
 
 
+def assert_every_method_reads(path: Path, data: bytes, *, auto_picks: str) -> None:
+    """Every read method reads path's data bit-exact with its CRC32C, and `auto` picks auto_picks for it."""
+    for method in ("auto", "map", "pread"):
+        picked, got, crc = read_all(path, method)
+        assert picked == auto_picks
+        assert got == data, method
+        assert crc == _core.crc32c(data), method
+
+
 def test_buffers_get_huge_pages_where_the_tmpfs_gives_them(huge_tmpfs):
     buffer = ShmBuffer.create(str(huge_tmpfs / "buf"), 16 * MiB)
     try:
@@ -234,11 +243,7 @@ def write_as_a_save_does(path: Path, nbytes: int) -> bytes:
 
 def test_auto_maps_files_of_huge_pages_and_reads_them_bit_exact(huge_tmpfs):
     data = write_as_a_save_does(huge_tmpfs / "object", 24 * MiB)
-    for method in ("auto", "map", "pread"):
-        picked, got, crc = read_all(huge_tmpfs / "object", method)
-        assert picked == "map"
-        assert got == data, method
-        assert crc == _core.crc32c(data), method
+    assert_every_method_reads(huge_tmpfs / "object", data, auto_picks="map")
 
 
 def test_small_pages_are_read_with_pread_and_buffers_work_without_huge_pages(small_page_tmpfs):
@@ -253,11 +258,7 @@ def test_small_pages_are_read_with_pread_and_buffers_work_without_huge_pages(sma
         buffer.close()
     assert (small_page_tmpfs / "buf").read_bytes() == b"\x22" * (16 * MiB)
     data = write_pattern(small_page_tmpfs / "object", 24 * MiB)
-    for method in ("auto", "map", "pread"):
-        picked, got, crc = read_all(small_page_tmpfs / "object", method)
-        assert picked == "pread"
-        assert got == data, method
-        assert crc == _core.crc32c(data), method
+    assert_every_method_reads(small_page_tmpfs / "object", data, auto_picks="pread")
 
 
 def test_auto_preads_reads_too_small_to_hold_a_huge_page(huge_tmpfs):
