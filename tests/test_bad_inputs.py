@@ -23,13 +23,13 @@ from ml_flashpoint_nemo import (
     UnsupportedValueError,
     VersionExistsError,
     VersionNotFoundError,
-    _core,
 )
 from ml_flashpoint_nemo.core import CheckpointSaver, committed_steps, load_newest_valid, load_version, verify_version
 from ml_flashpoint_nemo.core.format import HEADER_NBYTES
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.loader import open_object
 from ml_flashpoint_nemo.core.versions import read_commit
+from tests.support.forge import forge_commit, forge_header
 from tests.support.states import assert_state_equal, make_state
 
 
@@ -231,20 +231,13 @@ def test_missing_object(two_versions):
 
 def test_unknown_object_format_version(two_versions):
     path = object_file(two_versions, 2)
-    with open(path, "r+b") as handle:
-        header = bytearray(handle.read(HEADER_NBYTES))
-        struct.pack_into("<I", header, 8, 2)
-        struct.pack_into("<I", header, 60, _core.crc32c(bytes(header[:60])))
-        handle.seek(0)
-        handle.write(header)
+    forge_header(path, lambda header: header.update(format_version=2))
     with pytest.raises(FormatVersionError, match="format v2"):
         load_version(two_versions, 2)
 
 
 def test_unknown_commit_format_version(two_versions):
-    commit = two_versions / "step-2" / "COMMIT"
-    body = commit.read_bytes().rpartition(b"\ncrc32c=")[0].replace(b'"format_version":1', b'"format_version":7')
-    commit.write_bytes(body + f"\ncrc32c={_core.crc32c(body):08x}\n".encode())
+    forge_commit(two_versions / "step-2" / "COMMIT", lambda commit: commit.update(format_version=7))
     with pytest.raises(FormatVersionError, match="format v7"):
         load_version(two_versions, 2)
 
@@ -253,12 +246,7 @@ def test_a_newer_format_is_not_reported_as_corrupt_and_an_older_version_is_loade
     """A newer release's valid checkpoint is not "corrupt"; load_newest_valid skips it and keeps its files."""
     assert not issubclass(FormatVersionError, CorruptCheckpointError)
     path = object_file(two_versions, 2)
-    with open(path, "r+b") as handle:
-        header = bytearray(handle.read(HEADER_NBYTES))
-        struct.pack_into("<I", header, 8, 2)
-        struct.pack_into("<I", header, 60, _core.crc32c(bytes(header[:60])))
-        handle.seek(0)
-        handle.write(header)
+    forge_header(path, lambda header: header.update(format_version=2))
     newer = path.read_bytes()
     with pytest.raises(FormatVersionError) as raised:
         load_version(two_versions, 2)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import struct
 import subprocess
 import sys
 import uuid
@@ -24,14 +23,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-from ml_flashpoint_nemo import _core
 from ml_flashpoint_nemo.core import CheckpointSaver
-from ml_flashpoint_nemo.core.format import HEADER_NBYTES
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.loader import open_object
 from ml_flashpoint_nemo.core.versions import read_commit, write_commit
 from ml_flashpoint_nemo.dcp import MemoryStorageWriter
 from tests.support.dcp_scenarios import global_weights
+from tests.support.forge import forge_commit, forge_header
 from tests.support.multiproc import REPO, run_world
 
 SHM = Path("/dev/shm")
@@ -257,16 +255,8 @@ def newer_format_base() -> Iterator[Path]:
     with CheckpointSaver(base) as saver:
         for step in range(1, 4):
             saver.save(step, core_state(step), keep=None)
-    commit = base / "step-2" / "COMMIT"
-    body = commit.read_bytes().rpartition(b"\ncrc32c=")[0].replace(b'"format_version":1', b'"format_version":7')
-    commit.write_bytes(body + f"\ncrc32c={_core.crc32c(body):08x}\n".encode())
-    obj = next((base / "step-3").glob("*.fpo"))
-    with open(obj, "r+b") as handle:
-        header = bytearray(handle.read(HEADER_NBYTES))
-        struct.pack_into("<I", header, 8, 2)
-        struct.pack_into("<I", header, 60, _core.crc32c(bytes(header[:60])))
-        handle.seek(0)
-        handle.write(header)
+    forge_commit(base / "step-2" / "COMMIT", lambda commit: commit.update(format_version=7))
+    forge_header(next((base / "step-3").glob("*.fpo")), lambda header: header.update(format_version=2))
     yield base
     shutil.rmtree(base, ignore_errors=True)
 

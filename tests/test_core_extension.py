@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from ml_flashpoint_nemo import _core
 from ml_flashpoint_nemo._core import ShmBuffer
+from tests.support.smaps import mapping_kib
 from tests.support.tmpfs import mounted_tmpfs
 
 PAGE = _core.page_size()
@@ -77,18 +78,10 @@ def buffer_bytes(buffer: ShmBuffer, offset: int = 0, nbytes: int | None = None) 
         return bytes(view[offset:end])
 
 
-def mapped_rss_kib(address: int) -> int:
-    """Resident size of the mapping that starts at address, from /proc/self/smaps."""
-    with open("/proc/self/smaps") as smaps:
-        inside = False
-        for line in smaps:
-            first = line.split(" ", 1)[0]
-            if "-" in first and ":" not in first:
-                start = first.split("-", 1)[0]
-                inside = int(start, 16) == address
-            elif inside and line.startswith("Rss:"):
-                return int(line.split()[1])
-    raise AssertionError(f"no mapping starts at {address:#x}")
+def read_only_buffer(path: Path, size: int) -> ShmBuffer:
+    """A new buffer of `size` zero bytes at path, its writer closed, opened again read-only."""
+    ShmBuffer.create(str(path), size).close()
+    return ShmBuffer.open(str(path))
 
 
 def free_bytes(path: Path) -> int:
@@ -275,7 +268,7 @@ def test_create_allocates_large_buffers_up_front(shm_dir):
     try:
         assert buffer.size == 32 * MiB + PAGE
         assert path.stat().st_blocks * 512 >= buffer.size
-        assert mapped_rss_kib(buffer.address) == 0  # reserved, but not yet mapped in
+        assert mapping_kib(buffer.address, "Rss") == 0  # reserved, but not yet mapped in
     finally:
         buffer.close()
 
@@ -436,9 +429,7 @@ def test_grow_is_refused_while_views_exist(shm_dir):
 
 
 def test_grow_of_a_read_only_buffer_is_refused(shm_dir):
-    path = shm_dir / "buf"
-    ShmBuffer.create(str(path), PAGE).close()
-    reader = ShmBuffer.open(str(path))
+    reader = read_only_buffer(shm_dir / "buf", PAGE)
     try:
         with pytest.raises(ValueError):
             reader.grow(2 * PAGE)
@@ -451,13 +442,13 @@ def test_prefault_maps_the_pages_in_without_changing_them(shm_dir):
     size = 4 * MiB
     buffer = ShmBuffer.create(str(shm_dir / "buf"), size)
     try:
-        assert mapped_rss_kib(buffer.address) == 0
+        assert mapping_kib(buffer.address, "Rss") == 0
         buffer.prefault(0, 256 * 1024)
-        assert mapped_rss_kib(buffer.address) >= 256
-        assert mapped_rss_kib(buffer.address) < size // 1024
+        assert mapping_kib(buffer.address, "Rss") >= 256
+        assert mapping_kib(buffer.address, "Rss") < size // 1024
         buffer.prefault(3 * MiB + 5)  # to the end, from an unaligned offset
         buffer.prefault()
-        assert mapped_rss_kib(buffer.address) == size // 1024
+        assert mapping_kib(buffer.address, "Rss") == size // 1024
         assert buffer_bytes(buffer) == bytes(size)  # the write-faults did not change a byte
 
         with memoryview(buffer) as view:
@@ -473,12 +464,10 @@ def test_prefault_maps_the_pages_in_without_changing_them(shm_dir):
 
 
 def test_prefault_on_a_read_only_buffer(shm_dir):
-    path = shm_dir / "buf"
-    ShmBuffer.create(str(path), 2 * MiB).close()
-    reader = ShmBuffer.open(str(path))
+    reader = read_only_buffer(shm_dir / "buf", 2 * MiB)
     try:
         reader.prefault()
-        assert mapped_rss_kib(reader.address) == 2 * MiB // 1024
+        assert mapping_kib(reader.address, "Rss") == 2 * MiB // 1024
     finally:
         reader.close()
 
@@ -767,9 +756,7 @@ def test_copy_into_buffer_refuses_malformed_op_lists(shm_dir):
 
 
 def test_copy_into_a_read_only_buffer_is_refused(shm_dir):
-    path = shm_dir / "buf"
-    ShmBuffer.create(str(path), PAGE).close()
-    reader = ShmBuffer.open(str(path))
+    reader = read_only_buffer(shm_dir / "buf", PAGE)
     source = torch.ones(16, dtype=torch.uint8)
     try:
         with pytest.raises(ValueError, match="read-only"):

@@ -26,6 +26,7 @@ import pytest
 
 from ml_flashpoint_nemo import _core
 from ml_flashpoint_nemo._core import ShmBuffer
+from tests.support.smaps import mapping_kib
 from tests.support.tmpfs import mounted_tmpfs
 
 MiB = 1 << 20
@@ -168,31 +169,6 @@ def shmem_huge_pages_possible() -> bool:
     return "[deny]" not in setting
 
 
-def pmd_mapped_kib(address: int) -> int:
-    """ShmemPmdMapped of the mapping that starts at address: its bytes mapped as 2 MiB pages."""
-    with open("/proc/self/smaps") as smaps:
-        inside = False
-        for line in smaps:
-            first = line.split(" ", 1)[0]
-            if "-" in first and ":" not in first:
-                inside = int(first.split("-", 1)[0], 16) == address
-            elif inside and line.startswith("ShmemPmdMapped:"):
-                return int(line.split()[1])
-    raise AssertionError(f"no mapping starts at {address:#x}")
-
-
-def rss_kib(address: int) -> int:
-    with open("/proc/self/smaps") as smaps:
-        inside = False
-        for line in smaps:
-            first = line.split(" ", 1)[0]
-            if "-" in first and ":" not in first:
-                inside = int(first.split("-", 1)[0], 16) == address
-            elif inside and line.startswith("Rss:"):
-                return int(line.split()[1])
-    raise AssertionError(f"no mapping starts at {address:#x}")
-
-
 @pytest.fixture(params=["within_size", "advise"])
 def huge_tmpfs(request, tmp_path: Path) -> Iterator[Path]:
     """A tmpfs that gives huge pages: to every file (within_size) or to mappings that ask (advise)."""
@@ -228,12 +204,21 @@ def read_all(path: Path, method: str, threads: int = 2) -> tuple[str, bytes, int
     return picked, bytes(destination), crcs[0]
 
 
+def assert_every_method_reads(path: Path, data: bytes, *, auto_picks: str) -> None:
+    """Every read method reads path's data bit-exact with its CRC32C, and `auto` picks auto_picks for it."""
+    for method in ("auto", "map", "pread"):
+        picked, got, crc = read_all(path, method)
+        assert picked == auto_picks
+        assert got == data, method
+        assert crc == _core.crc32c(data), method
+
+
 def test_buffers_get_huge_pages_where_the_tmpfs_gives_them(huge_tmpfs):
     buffer = ShmBuffer.create(str(huge_tmpfs / "buf"), 16 * MiB)
     try:
         assert buffer.address % HUGE_PAGE == 0, "a mapping not on a 2 MiB boundary cannot use huge pages"
         buffer.prefault()
-        assert pmd_mapped_kib(buffer.address) == 16 * 1024, "every page of the buffer is huge and mapped as such"
+        assert mapping_kib(buffer.address, "ShmemPmdMapped") == 16 * 1024, "every page of the buffer is huge and mapped as such"
         with memoryview(buffer) as view:
             view[:] = b"\x11" * buffer.size
         buffer.grow(20 * MiB)
@@ -258,30 +243,22 @@ def write_as_a_save_does(path: Path, nbytes: int) -> bytes:
 
 def test_auto_maps_files_of_huge_pages_and_reads_them_bit_exact(huge_tmpfs):
     data = write_as_a_save_does(huge_tmpfs / "object", 24 * MiB)
-    for method in ("auto", "map", "pread"):
-        picked, got, crc = read_all(huge_tmpfs / "object", method)
-        assert picked == "map"
-        assert got == data, method
-        assert crc == _core.crc32c(data), method
+    assert_every_method_reads(huge_tmpfs / "object", data, auto_picks="map")
 
 
 def test_small_pages_are_read_with_pread_and_buffers_work_without_huge_pages(small_page_tmpfs):
     buffer = ShmBuffer.create(str(small_page_tmpfs / "buf"), 16 * MiB)
     try:
-        assert rss_kib(buffer.address) == 0, "without huge pages a new buffer is reserved, not mapped in"
+        assert mapping_kib(buffer.address, "Rss") == 0, "without huge pages a new buffer is reserved, not mapped in"
         buffer.prefault()
-        assert pmd_mapped_kib(buffer.address) == 0
+        assert mapping_kib(buffer.address, "ShmemPmdMapped") == 0
         with memoryview(buffer) as view:
             view[:] = b"\x22" * buffer.size
     finally:
         buffer.close()
     assert (small_page_tmpfs / "buf").read_bytes() == b"\x22" * (16 * MiB)
     data = write_pattern(small_page_tmpfs / "object", 24 * MiB)
-    for method in ("auto", "map", "pread"):
-        picked, got, crc = read_all(small_page_tmpfs / "object", method)
-        assert picked == "pread"
-        assert got == data, method
-        assert crc == _core.crc32c(data), method
+    assert_every_method_reads(small_page_tmpfs / "object", data, auto_picks="pread")
 
 
 def test_auto_preads_reads_too_small_to_hold_a_huge_page(huge_tmpfs):

@@ -24,9 +24,12 @@ def test_keep_for_next_save_proceeds_on_every_rank_after_a_local_failure(shm_dir
         assert "\\xff\\x0aforged" in outputs[0] and "\nforged" not in outputs[0], outputs[0]
 
 
-def test_choose_version_agrees_on_no_version_when_one_rank_cannot_list_its_versions(shm_dir):
-    outputs = run_world("collective_scenarios", "choose_after_a_listing_failure", 2, {"root": str(shm_dir)},
-                        timeout=DEADLINE_S)
+@pytest.mark.parametrize("scenario", ["choose_after_a_listing_failure", "choose_after_an_inventory_failure"],
+                         ids=["listing", "inventory"])
+def test_choose_version_agrees_on_no_version_when_one_rank_cannot_list_its_versions(shm_dir, scenario):
+    """Rank 1's listing of its committed versions fails (listing), or already its inventory of the base
+    directory before the peer fetch (inventory): either way every rank chooses no version."""
+    outputs = run_world("collective_scenarios", scenario, 2, {"root": str(shm_dir)}, timeout=DEADLINE_S)
     assert all("CHOSEN None" in out for out in outputs), outputs
     assert "cannot list its RAM checkpoint versions" in outputs[1], outputs[1]
 
@@ -46,13 +49,6 @@ def test_a_worker_that_cannot_be_inspected_on_one_rank_fails_its_save_everywhere
     for out in outputs:
         assert "OUTCOMES 1:ok 2:failed 3:ok" in out, out
     assert "rank 1: its save worker cannot be inspected (ValueError" in outputs[0], outputs[0]
-
-
-def test_choose_version_agrees_when_one_rank_cannot_take_its_inventory(shm_dir):
-    outputs = run_world("collective_scenarios", "choose_after_an_inventory_failure", 2, {"root": str(shm_dir)},
-                        timeout=DEADLINE_S)
-    assert all("CHOSEN None" in out for out in outputs), outputs
-    assert "cannot list its RAM checkpoint versions" in outputs[1], outputs[1]
 
 
 def test_choose_version_skips_a_version_whose_check_fails_unexpectedly_on_one_rank(shm_dir):

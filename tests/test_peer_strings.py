@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from ml_flashpoint_nemo import _core
 from tests.support import transfer_peer as peer
+from tests.support.server_errors import wait_for_error
 
 SECRET = b"job-secret-0123456789abcdef"
 HOST = "127.0.0.1"
@@ -35,18 +35,6 @@ def server(shm_dir: Path):
         yield srv, base
 
 
-def errors_until(srv, needle: str, timeout: float = 5.0) -> list[str]:
-    """Server errors collected until one contains needle (the worker may still be finishing)."""
-    seen: list[str] = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        seen += srv.errors()
-        if any(needle in e for e in seen):
-            return seen
-        time.sleep(0.02)
-    raise AssertionError(f"no server error containing {needle!r}; got {seen}")
-
-
 def raw_request(srv, op: int, path: bytes, size: int = 0) -> tuple[int, int, str]:
     with peer.connect(HOST, srv.port, timeout=5) as sock:
         s = peer.client_handshake(sock, SECRET)
@@ -58,7 +46,7 @@ def test_fetching_a_name_with_byte_ff_then_errors_is_escaped_text(server):
     srv, _ = server
     status, _, _ = raw_request(srv, peer.OP_FETCH, b"step-1/rank-\xff.fpo")
     assert status == peer.NOT_FOUND
-    errors = errors_until(srv, "rank-\\xff.fpo")  # raised UnicodeDecodeError before
+    errors = wait_for_error(srv, "rank-\\xff.fpo")  # raised UnicodeDecodeError before
     assert all(printable(e) for e in errors), errors
 
 
@@ -68,7 +56,7 @@ def test_pushing_a_name_with_byte_ff_and_a_newline_then_errors_is_escaped_text(s
     (base / "step-1").write_bytes(b"not a directory")
     status, _, message = raw_request(srv, peer.OP_PUSH, b"step-1/\xff\nforged.fpo", 10)
     assert status != peer.OK
-    errors = errors_until(srv, "\\xff\\x0aforged.fpo")
+    errors = wait_for_error(srv, "\\xff\\x0aforged.fpo")
     assert all(printable(e) for e in errors), errors
     assert (base / "step-1").read_bytes() == b"not a directory"  # nothing was lost
 
@@ -115,6 +103,6 @@ def test_a_clients_report_with_a_newline_is_escaped_in_errors(server):
         s.recv_trailer()
         report = b"bad \xfe" + FORGED.encode()
         sock.sendall(s.frame(peer.FRAME_RESPONSE, peer.struct.pack("<IIQ", peer.CHECKSUM, len(report), 0) + report))
-    errors = errors_until(srv, "bad \\xfe\\x0aCRITICAL root: forged line")
+    errors = wait_for_error(srv, "bad \\xfe\\x0aCRITICAL root: forged line")
     assert all(printable(e) for e in errors), errors
     assert (base / "step-1" / "obj.fpo").read_bytes() == b"abc"

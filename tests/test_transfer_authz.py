@@ -29,8 +29,9 @@ from ml_flashpoint_nemo.core.topology import NodeTopology
 from ml_flashpoint_nemo.core.versions import committed_steps, read_commit
 from ml_flashpoint_nemo.replication.service import transfer_policy
 from tests.support import transfer_peer as peer
+from tests.support.server_errors import wait_for_error
 from tests.support.tmpfs import mounted_tmpfs
-from tests.test_transfer_service import assert_closed, snapshot, wait_for_error
+from tests.test_transfer_service import assert_closed, snapshot
 
 SECRET = b"job-secret-0123456789abcdef"
 HOST = "127.0.0.1"

@@ -22,6 +22,7 @@ import pytest
 
 from ml_flashpoint_nemo import _core
 from tests.support import transfer_peer as peer
+from tests.support.server_errors import wait_for_error
 
 SECRET = b"job-secret-0123456789abcdef"
 HOST = "127.0.0.1"
@@ -203,17 +204,6 @@ def server(dirs):
 
 def leftovers(root: Path) -> list[str]:
     return [str(Path(d) / f) for d, _, fs in os.walk(root) for f in fs if f.startswith(".xfer-")]
-
-
-def wait_for_error(srv, needle: str, timeout: float = 10.0) -> list[str]:
-    seen: list[str] = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        seen += srv.errors()
-        if any(needle in e for e in seen):
-            return seen
-        time.sleep(0.02)
-    raise AssertionError(f"no server error containing {needle!r}; got {seen}")
 
 
 def push_through(relay: Relay, client: Path, rel: str, data: bytes):

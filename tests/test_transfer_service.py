@@ -24,6 +24,7 @@ import pytest
 
 from ml_flashpoint_nemo import _core
 from tests.support import transfer_peer as peer
+from tests.support.server_errors import wait_for_error
 
 SECRET = b"job-secret-0123456789abcdef"
 HOST = "127.0.0.1"
@@ -120,18 +121,6 @@ def assert_closed(s: socket.socket) -> None:
         assert s.recv(100) == b""
     except ConnectionResetError:
         pass
-
-
-def wait_for_error(srv, needle: str, timeout: float = 5.0) -> list[str]:
-    """Collects server errors until one contains needle (the worker may still be finishing)."""
-    seen: list[str] = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        seen += srv.errors()
-        if any(needle in e for e in seen):
-            return seen
-        time.sleep(0.02)
-    raise AssertionError(f"no server error containing {needle!r}; got {seen}")
 
 
 # --- SHA-256 / HMAC-SHA256 --------------------------------------------------------------------

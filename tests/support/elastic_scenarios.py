@@ -29,10 +29,10 @@ import torch.distributed as dist  # noqa: E402
 from megatron.core import dist_checkpointing  # noqa: E402
 from megatron.core.dist_checkpointing.mapping import ShardedTensor  # noqa: E402
 from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy  # noqa: E402
-from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper  # noqa: E402
 
-from ml_flashpoint_nemo.megatron import FlashpointLoadStrategy, FlashpointSaveStrategy  # noqa: E402
+from ml_flashpoint_nemo.megatron import FlashpointSaveStrategy  # noqa: E402
 from ml_flashpoint_nemo.replication.choice import choose_version  # noqa: E402
+from tests.support.megatron_scenarios import load_strategy, version_dir  # noqa: E402
 from tests.support.multiproc import expect_failure, scenario_main  # noqa: E402
 
 
@@ -84,14 +84,6 @@ def check_loaded(loaded: dict[str, Any], seed: int, tp: int, *, flat: bool = Tru
     assert loaded["iteration"] == seed
 
 
-def version_dir(base: str, step: int) -> str:
-    path = os.path.join(base, f"step-{step}")
-    if dist.get_rank() == 0:
-        Path(path).mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    return path
-
-
 def save_layout(p: dict[str, Any]) -> None:
     """Save step p["step"] (or each of p["steps"]) in layout tp=p["tp"]; with p["durable"], also through torch_dist."""
     strategy = FlashpointSaveStrategy()
@@ -101,13 +93,6 @@ def save_layout(p: dict[str, Any]) -> None:
             dist_checkpointing.save(sharded_state(step, p["tp"]), version_dir(p["durable"], step))
         print("SAVED", step, flush=True)
     strategy.close()
-
-
-def load_strategy(p: dict[str, Any]) -> Any:
-    strategy = FlashpointLoadStrategy()
-    if p.get("fully_parallel"):
-        strategy = FullyParallelLoadStrategyWrapper(strategy, dist.group.WORLD, exchange_algo="gather_object")
-    return strategy
 
 
 def load_layout(p: dict[str, Any]) -> None:

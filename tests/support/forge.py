@@ -69,6 +69,15 @@ def forge_object(path: Path, *, index: Mutation | None = None, header: Mutation 
     forge_commit(path.parent / "COMMIT", point_at_object)
 
 
+def forge_header(path: Path, mutation: Mutation) -> None:
+    """Rewrite an object's header in place as the mutation says, its CRC recomputed; nothing else changes
+    (not the index, not the object's entry in COMMIT): a reader that trusts the header stops there."""
+    fields, _, _ = read_parts(path)
+    mutation(fields)
+    with open(path, "r+b") as handle:
+        handle.write(encode_header(fields))
+
+
 def forge_commit(path: Path, mutation: Mutation) -> None:
     """Rewrite a commit record's JSON as the mutation says, its trailer CRC recomputed."""
     body = path.read_bytes().rpartition(b"\ncrc32c=")[0]

@@ -331,6 +331,34 @@ def saves_fork_until_the_persistent_worker_is_up(p: dict[str, Any]) -> None:
     print("WORKER GONE", wait_gone(worker, 10), flush=True)
 
 
+def kill_persistent_worker(io: Any, *, close_process: bool = False) -> None:
+    """SIGKILL this rank's persistent worker and reap it (an OOM kill); with close_process, also close its
+    process object, so that from then on is_alive() and exitcode raise ValueError."""
+    worker = io.flashpoint_queue.persistent_caller.process
+    worker.kill()
+    worker.join(10)
+    if close_process:
+        worker.close()
+
+
+def saves_around_a_lost_worker(p: dict[str, Any], *, close_process: bool) -> None:
+    """Steps 1 to 3 through persistent workers; rank 1's worker is killed (kill_persistent_worker) after step 1
+    is finalized, so step 2 is queued for a worker that is gone; reports what step 3 left."""
+    io = nemo_io(p, persistent_worker=True)
+    io.start_worker()
+    assert io.flashpoint_queue.worker_ready(timeout=120), "the persistent worker did not come up"
+    dist.barrier()
+    save_through(io, p, 1)
+    io.finalize_flashpoint(blocking=True)
+    if dist.get_rank() == 1:
+        kill_persistent_worker(io, close_process=close_process)
+    dist.barrier()
+    save_through(io, p, 2)
+    io.finalize_flashpoint(blocking=True)
+    save_through(io, p, 3)
+    close_and_report(io, p, loaded_step=3)
+
+
 def worker_dead_while_booting_leaves_saves_to_forks(p: dict[str, Any]) -> None:
     """Rank 1's persistent worker dies before it is up (killed at boot): rank 1's saves fork a worker each
     from then on, rank 0's run on its worker, and none fails (no save was ever given to the dead worker)."""
@@ -338,9 +366,7 @@ def worker_dead_while_booting_leaves_saves_to_forks(p: dict[str, Any]) -> None:
     io = nemo_io(p)
     io.start_worker()
     if dist.get_rank() == 1:
-        worker = io.flashpoint_queue.persistent_caller.process
-        worker.kill()
-        worker.join(10)
+        kill_persistent_worker(io)
     else:
         assert io.flashpoint_queue.worker_ready(timeout=120)
     dist.barrier()
@@ -356,21 +382,7 @@ def worker_dead_while_booting_leaves_saves_to_forks(p: dict[str, Any]) -> None:
 def dead_persistent_worker_drops_its_saves_everywhere(p: dict[str, Any]) -> None:
     """Rank 1's persistent worker is SIGKILLed between saves (an OOM kill): the next blocking finalize
     must not wait for it forever; its save fails on every rank and the save after it gets a new worker."""
-    io = nemo_io(p, persistent_worker=True)
-    io.start_worker()
-    assert io.flashpoint_queue.worker_ready(timeout=120), "the persistent worker did not come up"
-    dist.barrier()
-    save_through(io, p, 1)
-    io.finalize_flashpoint(blocking=True)
-    if dist.get_rank() == 1:
-        worker = io.flashpoint_queue.persistent_caller.process
-        worker.kill()
-        worker.join(10)
-    dist.barrier()
-    save_through(io, p, 2)  # queued for a worker that is gone
-    io.finalize_flashpoint(blocking=True)
-    save_through(io, p, 3)
-    close_and_report(io, p, loaded_step=3)
+    saves_around_a_lost_worker(p, close_process=False)
 
 
 def writer_fails_on_one_rank(p: dict[str, Any]) -> None:
@@ -394,22 +406,7 @@ def writer_fails_on_one_rank(p: dict[str, Any]) -> None:
 def uninspectable_worker_fails_its_save_everywhere(p: dict[str, Any]) -> None:
     """Rank 1's persistent worker is killed and its process object closed, so that asking it anything
     raises on rank 1 alone: the save in flight must fail on every rank, and the next one commit."""
-    io = nemo_io(p, persistent_worker=True)
-    io.start_worker()
-    assert io.flashpoint_queue.worker_ready(timeout=120), "the persistent worker did not come up"
-    dist.barrier()
-    save_through(io, p, 1)
-    io.finalize_flashpoint(blocking=True)
-    if dist.get_rank() == 1:
-        worker = io.flashpoint_queue.persistent_caller.process
-        worker.kill()
-        worker.join(10)
-        worker.close()  # from now on is_alive() and exitcode raise ValueError
-    dist.barrier()
-    save_through(io, p, 2)
-    io.finalize_flashpoint(blocking=True)
-    save_through(io, p, 3)
-    close_and_report(io, p, loaded_step=3)
+    saves_around_a_lost_worker(p, close_process=True)
 
 
 def node_base(p: dict[str, Any]) -> str:

@@ -32,14 +32,13 @@ from ml_flashpoint_nemo.nemo.resume import install_resume_choice  # noqa: E402
 from ml_flashpoint_nemo.nemo.settings import FlashpointSettings  # noqa: E402
 from ml_flashpoint_nemo.replication.secret import SECRET_ENV  # noqa: E402
 from tests.support import megatron_scenarios as ms  # noqa: E402
-from tests.support.multiproc import scenario_main  # noqa: E402
 from tests.support.one_rank_sites import (  # noqa: E402
     Case,
+    cases_main,
     committed_on_two_nodes,
     environment,
     failing_on,
     node_base,
-    run_cases,
 )
 
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr, force=True)
@@ -204,9 +203,5 @@ CASES: dict[str, Case] = {f.__name__: f for f in (
 )}
 
 
-def cases(p: dict[str, Any]) -> None:
-    run_cases(CASES, p)
-
-
 if __name__ == "__main__":
-    scenario_main({"cases": cases})
+    cases_main(CASES)

@@ -14,7 +14,6 @@ import sys
 import threading
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import torch.distributed as dist
 
@@ -28,14 +27,13 @@ from ml_flashpoint_nemo.nemo.settings import FlashpointSettings
 from ml_flashpoint_nemo.replication import choice, recovery
 from ml_flashpoint_nemo.replication.secret import SECRET_ENV, SECRET_FILE_ENV, agree_on_secret
 from ml_flashpoint_nemo.replication.service import ReplicationConfig, ReplicationService, peer_endpoints
-from tests.support.multiproc import scenario_main
 from tests.support.one_rank_sites import (
     Case,
+    cases_main,
     committed_on_two_nodes,
     environment,
     failing_on,
     node_base,
-    run_cases,
 )
 
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr, force=True)
@@ -194,9 +192,5 @@ CASES: dict[str, Case] = {f.__name__: f for f in (
 )}
 
 
-def cases(p: dict[str, Any]) -> None:
-    run_cases(CASES, p)
-
-
 if __name__ == "__main__":
-    scenario_main({"cases": cases})
+    cases_main(CASES)

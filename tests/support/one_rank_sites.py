@@ -16,6 +16,8 @@ from typing import Any, Callable, Iterator
 
 import torch.distributed as dist
 
+from tests.support.multiproc import scenario_main
+
 Case = Callable[[Path], str]
 
 
@@ -32,6 +34,11 @@ def run_cases(cases: dict[str, Case], p: dict[str, Any]) -> None:
         outcome = outcome.replace("\n", "\\n")
         print(f"[{name}] {outcome} ({time.monotonic() - started:.1f}s)", flush=True)
         dist.barrier()
+
+
+def cases_main(cases: dict[str, Case]) -> None:
+    """A case module's entry point: its one scenario, "cases", runs the cases named in p["cases"] (run_cases)."""
+    scenario_main({"cases": lambda p: run_cases(cases, p)})
 
 
 def outcomes(outputs: list[str]) -> dict[str, list[str]]:
