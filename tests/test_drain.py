@@ -63,6 +63,29 @@ def test_a_held_version_is_not_retired_until_its_hold_is_released(shm_dir):
     assert committed_steps(layout) == [6]
 
 
+def test_the_drain_thread_runs_at_the_lowest_cpu_priority_and_the_trainer_keeps_its_own(shm_dir, tmp_path):
+    """The drain takes only the CPU training leaves idle: its thread is niced, the process's other threads not."""
+    import os
+    import threading
+    import time
+
+    from ml_flashpoint_nemo.nemo.drain import DRAIN_NICE, DurableDrain
+
+    trainer_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    drain = DurableDrain(base_dir=shm_dir, durable_dir=tmp_path / "durable", rank=0, world_size=1, token="t", keep=1,
+                         bytes_per_s=None, timeout_s=5)
+    try:
+        tid = drain._thread.native_id
+        assert tid is not None
+        deadline = time.monotonic() + 10
+        while os.getpriority(os.PRIO_PROCESS, tid) != DRAIN_NICE and time.monotonic() < deadline:
+            time.sleep(0.01)  # polled: the thread lowers its own priority as it starts
+        assert os.getpriority(os.PRIO_PROCESS, tid) == DRAIN_NICE != trainer_nice
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == trainer_nice
+    finally:
+        drain.close(timeout_s=5)
+
+
 def visible(checkpoints: Path) -> dict[int, Path]:
     """Drained checkpoints NeMo can see: RAM step -> directory (hidden drains in progress excluded)."""
     found = {}

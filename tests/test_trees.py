@@ -90,6 +90,35 @@ def test_remove_tree_of_a_file_a_symlink_and_an_unremovable_part(shm_dir):
             os.chmod(d, 0o700)
 
 
+def test_remove_tree_on_a_read_only_file_system_reports_failure_and_removes_nothing(tmp_path):
+    """Nothing can be removed (EROFS, which root cannot override): every step fails softly, the answer is False."""
+    from tests.support.tmpfs import mounted_tmpfs
+
+    with mounted_tmpfs(tmp_path / "ro", "4m") as mount_point:
+        top = mount_point / "top"
+        (top / "a" / "b").mkdir(parents=True)
+        (top / "a" / "b" / "x").write_bytes(b"xyz")
+        (top / "f").write_bytes(b"f")
+        plain = mount_point / "plain"
+        plain.write_bytes(b"p")
+        before = sorted(str(p.relative_to(mount_point)) for p in mount_point.rglob("*"))
+        subprocess.run(["mount", "-o", "remount,ro", str(mount_point)], check=True)
+        try:
+            assert remove_tree(top) is False
+            assert remove_tree(plain) is False
+            assert remove_tree(top / "f" / "under-a-file") is False  # ENOTDIR: neither gone nor removable
+            assert remove_tree(mount_point / "missing") is True
+            assert sorted(str(p.relative_to(mount_point)) for p in mount_point.rglob("*")) == before
+            assert tree_bytes(top) == 4
+        finally:
+            subprocess.run(["mount", "-o", "remount,rw", str(mount_point)], check=True)
+
+
+def test_a_name_longer_than_the_system_allows_is_reported_not_raised(shm_dir):
+    assert remove_tree(shm_dir / ("n" * 300)) is False  # ENAMETOOLONG from lstat
+    assert tree_bytes(shm_dir / ("n" * 300)) == 0
+
+
 def _committed_base(base: Path, steps: tuple[int, ...]) -> None:
     with CheckpointSaver(base) as saver:
         for step in steps:

@@ -53,6 +53,22 @@ BUCKET_BYTES = 64 << 20  # one data file per ~64 MiB: FileSystemWriter keeps a f
 _POLL_S = 0.05
 
 
+DRAIN_NICE = 19  # the drain thread's CPU priority: it takes only cores training leaves idle
+
+
+def _yield_cpu_to_training() -> None:
+    """Lower the calling thread's CPU priority to DRAIN_NICE (Linux schedules threads, and nice is per thread).
+
+    On a GPU node the drain runs on cores training leaves idle anyway; where training keeps every core
+    busy (CPU training, a crowded host) this keeps the drain from taking its share from the steps.
+    At SIGTERM training has stopped, so the persist-on-preemption drain still gets the CPU it needs.
+    """
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), DRAIN_NICE)
+    except (AttributeError, OSError) as exc:  # not Linux, or a sandbox that forbids it: drain at normal priority
+        logger.debug("Durable drain keeps its CPU priority: %s", exc)
+
+
 @dataclass(frozen=True)
 class DrainRequest:
     """Drain RAM version `step` into `<durable_dir>/<name>`."""
@@ -165,6 +181,7 @@ class DurableDrain:
     # --- drain thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
+        _yield_cpu_to_training()
         while True:
             with self._cond:
                 while self._pending is None and not self._closing:
