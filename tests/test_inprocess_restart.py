@@ -92,6 +92,10 @@ def inprocess_run(reference, tmp_path_factory) -> dict[str, Any]:
     resume = out / "resume"
     base = Path("/dev/shm") / f"flashpoint-test-inprocess-{uuid.uuid4().hex[:12]}"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    # Its ranks run unmeasured when the suite runs under coverage (scripts/coverage.sh): under coverage's tracer
+    # the job did not get through its restarts in either of the two measured runs (NVRx dropped rank 1 and aborted
+    # after its last iteration), while it passes unmeasured. Lines only this job reaches are not counted.
+    env.pop("COVERAGE_PROCESS_CONFIG", None)
     try:
         code = launch_ranks(str(REPO / "tests" / "support" / "inprocess_rank.py"),
                             [*TRAIN_FLAGS[:4], "--fault-at", *map(str, FAULTS), "--fault-rank", str(FAULT_RANK),

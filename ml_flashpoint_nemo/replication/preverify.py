@@ -50,7 +50,9 @@ class _FileIdentity:
 
 
 _lock = threading.Lock()
-_passed: dict[tuple[str, ObjectRecord], _FileIdentity] = {}  # (real path, record) -> the file that passed
+# (real base dir, rank) -> {(real path, record): the file that passed}, of that rank's newest check only: a
+# new check replaces the table, so in-process restarts do not add to it.
+_passed: dict[tuple[str, int], dict[tuple[str, ObjectRecord], _FileIdentity]] = {}
 _running: dict[tuple[str, int], threading.Thread] = {}  # (real base dir, rank) -> its check
 
 
@@ -65,13 +67,14 @@ def verify_ahead(base_dir: str | os.PathLike[str], rank: int) -> None:
         running = _running.get(key)
         if running is not None and running.is_alive():
             return
-        thread = threading.Thread(target=_verify_newest, args=(CheckpointLayout(base_dir), rank),
+        _passed[key] = {}
+        thread = threading.Thread(target=_verify_newest, args=(CheckpointLayout(base_dir), rank, key),
                                   name=f"flashpoint-verify-ahead-{rank}", daemon=True)
         _running[key] = thread
         thread.start()
 
 
-def _verify_newest(layout: CheckpointLayout, rank: int) -> None:
+def _verify_newest(layout: CheckpointLayout, rank: int, key: tuple[str, int]) -> None:
     try:
         steps = committed_steps(layout)
         if not steps:
@@ -83,7 +86,7 @@ def _verify_newest(layout: CheckpointLayout, rank: int) -> None:
             verify_object_file(path, record, default_copy_threads())
             if before is not None and _FileIdentity.of(path) == before:  # not written while it was read
                 with _lock:
-                    _passed[(path, record)] = before
+                    _passed.setdefault(key, {})[(path, record)] = before
     except Exception as exc:  # noqa: BLE001 - the choice checks (and reports) whatever did not pass here
         logger.debug("Checking the objects of rank %d in %s ahead of recovery stopped: %s", rank, layout.base_dir,
                      exc)
@@ -92,11 +95,12 @@ def _verify_newest(layout: CheckpointLayout, rank: int) -> None:
 def verified_ahead(base_dir: str | os.PathLike[str], rank: int, path: str | os.PathLike[str],
                    record: ObjectRecord) -> bool:
     """Whether the object at path passed a check ahead (waiting for one in progress) and is still that file."""
+    key = (os.path.realpath(base_dir), rank)
     with _lock:
-        running = _running.get((os.path.realpath(base_dir), rank))
+        running = _running.get(key)
     if running is not None:
         running.join(WAIT_S)
     real = os.path.realpath(path)
     with _lock:
-        passed = _passed.get((real, record))
+        passed = _passed.get(key, {}).get((real, record))
     return passed is not None and _FileIdentity.of(real) == passed
