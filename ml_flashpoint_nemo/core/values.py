@@ -38,8 +38,14 @@ class PreparedValue:
         return self.tensor is not None and self.tensor.device.type == "cpu" and self.tensor.is_contiguous()
 
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {}  # a dict lookup per record on the load path, not str() each time
+
+
 def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
 
 
 @functools.lru_cache(maxsize=None)

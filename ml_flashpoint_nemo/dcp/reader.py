@@ -180,6 +180,8 @@ class MemoryStorageReader(StorageReader):
             if item.type is byte_io:
                 as_bytes.setdefault(key, []).append(item)
                 continue
+            if chunk != entry.shape:  # the stored record has the shape the metadata gives this request's chunk
+                self._check_record(item, entry, chunk, obj.path)
             pieces = copied.get(key)
             if pieces is not None:
                 pieces.append((item, None))
@@ -188,11 +190,9 @@ class MemoryStorageReader(StorageReader):
             if earlier is not None:  # the chunk is asked for twice: both go through a copy
                 copied[key] = [earlier, (item, None)]
                 continue
-            if chunk != entry.shape:  # once per record: the stored record has the shape the metadata gives
-                self._check_record(item, entry, chunk, obj.path)
             if whole:
                 target = _destination(planner, item)
-                if (_DTYPE_NAMES.get(target.dtype) or _dtype_name(target.dtype)) == entry.dtype:
+                if dtype_name(target.dtype) == entry.dtype:
                     direct[key] = (item, target)
                 else:
                     copied[key] = [(item, target)]
@@ -255,9 +255,3 @@ def _destination(planner: LoadPlanner, item: ReadItem) -> torch.Tensor:
     return target.detach() if target.requires_grad else target
 
 
-_DTYPE_NAMES: dict[torch.dtype, str] = {}  # filled by _dtype_name: a dict lookup per item, not a call
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    name = _DTYPE_NAMES[dtype] = dtype_name(dtype)
-    return name
