@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import pickle
 import re
 import subprocess
@@ -16,7 +17,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ml_flashpoint_nemo.core import CheckpointSaver, committed_steps, verify_version
@@ -270,6 +273,34 @@ def test_destination_of_another_dtype_is_read_through_a_copy(base_dir):
                                                    storage_reader=MemoryStorageReader(base_dir)))
     assert seen == {"direct": {"same@0"}, "copied": {"w@0,0"}}, seen
     assert torch.equal(dest["w"], state["w"].double()) and torch.equal(dest["same"], state["same"])
+
+
+class _ReadsWTwice(DefaultLoadPlanner):
+    """A caller's planner that also loads the stored "w" into the state's "copy" (not in the checkpoint):
+    one stored chunk asked for by two read items."""
+
+    def create_local_plan(self) -> LoadPlan:
+        plan = super().create_local_plan()
+        (original,) = [item for item in plan.items if item.dest_index.fqn == "w"]
+        twin = dataclasses.replace(original, dest_index=MetadataIndex("copy", original.dest_index.offset))
+        return dataclasses.replace(plan, items=[*plan.items, twin])
+
+
+def test_a_chunk_asked_for_twice_is_read_once_and_copied_to_both(base_dir):
+    """Neither destination may take the stored chunk in place (the other would miss it): both go through the
+    verified copy, and both end up equal to the saved tensor."""
+    state = {"w": torch.randn(3, 4), "same": torch.arange(5)}
+    writer = MemoryStorageWriter(base_dir)
+    dcp_without_process_group(lambda: dcp.save(state, checkpoint_id=base_dir / "step-2", storage_writer=writer))
+    writer.close()
+    dest = {"w": torch.zeros(3, 4), "same": torch.zeros(5, dtype=torch.int64), "copy": torch.zeros(3, 4)}
+    with reader_paths() as seen:
+        dcp_without_process_group(lambda: dcp.load(dest, checkpoint_id=base_dir / "step-2",
+                                                   storage_reader=MemoryStorageReader(base_dir),
+                                                   planner=_ReadsWTwice(allow_partial_load=True)))
+    assert seen == {"direct": {"same@0"}, "copied": {"w@0,0"}}, seen
+    assert torch.equal(dest["w"], state["w"]) and torch.equal(dest["copy"], state["w"])
+    assert torch.equal(dest["same"], state["same"])
 
 
 def test_corrupted_record_fails_the_direct_path(base_dir):
