@@ -1,4 +1,5 @@
-"""Shared fixtures: every test gets its own base directory on /dev/shm, removed afterwards."""
+"""Shared fixtures: every test gets its own base directory on /dev/shm, removed afterwards; the NeMo
+end-to-end tests share one reference run per session."""
 
 from __future__ import annotations
 
@@ -33,3 +34,12 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A real 16 MiB tmpfs. Needs root (CI runs as root); skipped otherwise."""
     with mounted_tmpfs(tmp_path / "small-tmpfs", "16m") as mount_point:
         yield mount_point
+
+
+@pytest.fixture(scope="session")
+def nemo_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted NeMo run every end-to-end scenario is compared with (tests/support/nemo_reference.py),
+    computed once per session; a test links it into its output with link_reference."""
+    from tests.support.nemo_reference import train_reference  # imports examples/launch.py: only when needed
+
+    return train_reference(tmp_path_factory.mktemp("nemo-reference"))

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from tests.support.multiproc import REPO
-from tests.test_nemo_e2e import STEPS, link_reference, reference, train  # noqa: F401 - reference is a fixture
+from tests.support.nemo_reference import link_reference
+from tests.test_nemo_e2e import STEPS, train
 
 sys.path.insert(0, str(REPO / "examples"))
 
@@ -86,6 +87,35 @@ def test_the_drain_thread_runs_at_the_lowest_cpu_priority_and_the_trainer_keeps_
         drain.close(timeout_s=5)
 
 
+def test_a_drain_whose_priority_cannot_be_lowered_still_drains_at_normal_priority(shm_dir, tmp_path, monkeypatch,
+                                                                                  caplog):
+    """A sandbox may forbid setpriority (EPERM; this root test process cannot be refused for real, so the call
+    is replaced): the drain thread logs it at DEBUG and goes on serving requests."""
+    import logging
+    import os
+    import threading
+
+    from ml_flashpoint_nemo.nemo import drain as drain_module
+
+    def refused(*_args: object) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    trainer_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    monkeypatch.setattr(drain_module.os, "setpriority", refused)
+    caplog.set_level(logging.DEBUG, logger=drain_module.logger.name)
+    drain = drain_module.DurableDrain(base_dir=shm_dir, durable_dir=tmp_path / "durable", rank=0, world_size=1,
+                                      token="t", keep=1, bytes_per_s=None, timeout_s=5)
+    try:
+        assert drain._thread.is_alive()
+        tid = drain._thread.native_id
+        assert tid is not None
+    finally:
+        drain.close(timeout_s=5)
+    assert not drain._thread.is_alive()  # it waited for requests and closed cleanly: the refusal did not kill it
+    assert "Durable drain keeps its CPU priority" in caplog.text and "Operation not permitted" in caplog.text
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == trainer_nice
+
+
 def visible(checkpoints: Path) -> dict[int, Path]:
     """Drained checkpoints NeMo can see: RAM step -> directory (hidden drains in progress excluded)."""
     found = {}
@@ -104,10 +134,10 @@ def assert_nemo_layout(checkpoint: Path) -> None:
     assert checkpoint.name.endswith("-last") and not (checkpoint.parent / f"{checkpoint.name}-unfinished").exists()
 
 
-def test_plain_nemo_resumes_bit_exact_after_a_crash_mid_drain(reference, tmp_path, shm_dir):  # noqa: F811
+def test_plain_nemo_resumes_bit_exact_after_a_crash_mid_drain(nemo_reference, tmp_path, shm_dir):
     """Drains of steps 2 and 4 land; the job is SIGKILLed while step 6 drains (throttled): no step-6
     checkpoint is visible, step 4's is intact, and plain NeMo resumes from it bit for bit."""
-    link_reference(reference, tmp_path)
+    link_reference(nemo_reference, tmp_path)
     drained = tmp_path / "drained"
     checkpoints = drained / "tiny" / "checkpoints"
     train(tmp_path, "crash", shm_dir, "--every", "2", "--drain-every", "2", "--drain-log", str(drained),
@@ -125,7 +155,7 @@ def test_plain_nemo_resumes_bit_exact_after_a_crash_mid_drain(reference, tmp_pat
 
 
 def test_a_full_durable_filesystem_fails_drains_on_every_rank_training_goes_on_and_the_next_drain_retries(
-        reference, tmp_path, shm_dir, small_tmpfs):  # noqa: F811
+        nemo_reference, tmp_path, shm_dir, small_tmpfs):
     """The durable directory lies on a real 16 MiB tmpfs filled up to 200 KB: the drains of steps 2 and 4
     fail with ENOSPC (logged on both ranks), training goes on unchanged; once space is back, 6 and 8 land."""
     import os
@@ -138,7 +168,7 @@ def test_a_full_durable_filesystem_fails_drains_on_every_rank_training_goes_on_a
     filler.write_bytes(b"\0" * (stat.f_bavail * stat.f_frsize - (200 << 10)))
     run = train(tmp_path, "full", shm_dir, "--every", "2", "--drain-every", "2", "--drain-log", str(drained),
                 "--unblock-at", "6", "--filler", str(filler))
-    expected = json.loads((reference / "reference" / "result.json").read_text())["losses"]
+    expected = json.loads((nemo_reference / "reference" / "result.json").read_text())["losses"]
     assert run["losses"] == expected, "training went on exactly as without checkpoints"
     for rank in (0, 1):
         log = (tmp_path / "full" / f"rank-{rank}.log").read_text()
@@ -155,10 +185,10 @@ def test_a_full_durable_filesystem_fails_drains_on_every_rank_training_goes_on_a
 
 
 def test_sigterm_on_both_ranks_drains_the_newest_ram_version_and_plain_nemo_resumes_from_it_bit_exact(
-        reference, tmp_path, shm_dir):  # noqa: F811
+        nemo_reference, tmp_path, shm_dir):
     """Drains every 4 steps; a real SIGTERM to both ranks after step 7 drains RAM step 6 (not due before
     step 8), then each rank dies of the signal. Plain NeMo resumes from step 6's checkpoint bit for bit."""
-    link_reference(reference, tmp_path)
+    link_reference(nemo_reference, tmp_path)
     drained = tmp_path / "drained"
     checkpoints = drained / "tiny" / "checkpoints"
     crash = train(tmp_path, "crash", shm_dir, "--every", "2", "--drain-every", "4", "--drain-log", str(drained),

@@ -67,7 +67,9 @@ sys.path.insert(0, str(REPO / "examples"))
 from launch import launch_ranks  # noqa: E402
 from quickstart import compare  # noqa: E402
 
-STEPS, EVERY, FAULTS, FAULT_RANK = 8, 2, (5, 7), 1
+from tests.support.nemo_reference import REFERENCE_STEPS, link_reference  # noqa: E402
+
+STEPS, EVERY, FAULTS, FAULT_RANK = REFERENCE_STEPS, 2, (5, 7), 1
 TRAIN_FLAGS = ["--steps", str(STEPS), "--every", str(EVERY), "--async-save"]
 TIMEOUT_S = 300
 TRACKER = "multiprocessing.resource_tracker"
@@ -75,20 +77,9 @@ MAX_FREE_BUFFERS = 2  # BufferPool's default
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    """The uninterrupted run (no flashpoint, no Wrapper), under out/reference as quickstart.compare expects."""
-    out = tmp_path_factory.mktemp("inprocess-reference")
-    code = launch_ranks(str(REPO / "tests" / "support" / "nemo_train.py"),
-                        [*TRAIN_FLAGS, "--out", str(out / "reference"), "--base", str(out / "unused-base"),
-                         "--route", "none"], timeout=TIMEOUT_S, log_dir=out / "reference")
-    assert code == 0, (out / "reference" / "rank-0.log").read_text()[-4000:]
-    return out
-
-
-@pytest.fixture(scope="module")
-def inprocess_run(reference, tmp_path_factory) -> dict[str, Any]:
+def inprocess_run(nemo_reference, tmp_path_factory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("inprocess")
-    (out / "reference").symlink_to(reference / "reference")
+    link_reference(nemo_reference, out)
     resume = out / "resume"
     base = Path("/dev/shm") / f"flashpoint-test-inprocess-{uuid.uuid4().hex[:12]}"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))

@@ -23,7 +23,9 @@ sys.path.insert(0, str(REPO / "examples"))
 from launch import launch_ranks  # noqa: E402
 from quickstart import compare  # noqa: E402
 
-STEPS = 8
+from tests.support.nemo_reference import REFERENCE_STEPS, link_reference  # noqa: E402
+
+STEPS = REFERENCE_STEPS
 
 
 def train(out: Path, phase: str, base: Path, *flags: str, expect: int = 0, steps: int = STEPS, nproc: int = 2) -> dict:
@@ -34,18 +36,6 @@ def train(out: Path, phase: str, base: Path, *flags: str, expect: int = 0, steps
     assert code == expect, f"{phase} exited with {code}, expected {expect}\n{log[-4000:]}"
     result = out / phase / "result.json"
     return {"log": log, **(json.loads(result.read_text()) if result.exists() else {})}
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    """The uninterrupted run every scenario is compared with (no flashpoint at all)."""
-    out = tmp_path_factory.mktemp("nemo-reference")
-    train(out, "reference", out / "unused-base", "--route", "none")
-    return out
-
-
-def link_reference(reference: Path, out: Path) -> None:
-    (out / "reference").symlink_to(reference / "reference")
 
 
 def test_quickstart_recovers_from_ram_bit_exact(tmp_path):
@@ -70,9 +60,9 @@ def test_quickstart_recovers_from_ram_bit_exact(tmp_path):
         ("async durable unfinished", 2, 5, ("ram", ["step-2", "step-4"])),
     ],
 )
-def test_durable_checkpoint_is_the_fallback_and_the_newer_one_wins(reference, tmp_path, shm_dir, case, ram_every,
+def test_durable_checkpoint_is_the_fallback_and_the_newer_one_wins(nemo_reference, tmp_path, shm_dir, case, ram_every,
                                                                    kill_at, expected):
-    link_reference(reference, tmp_path)
+    link_reference(nemo_reference, tmp_path)
     flags = ("--durable-every", "3", "--durable-dir", str(tmp_path / "durable"), "--every", str(ram_every),
              *(["--async-save"] if case.startswith("async") else []))
     train(tmp_path, "crash", shm_dir, *flags, "--kill-at", str(kill_at), expect=-9)
@@ -92,8 +82,8 @@ def test_durable_checkpoint_is_the_fallback_and_the_newer_one_wins(reference, tm
     assert compare(tmp_path, resumed_from=source) == []
 
 
-def test_corrupted_ram_version_falls_back_to_the_older_one_with_a_warning(reference, tmp_path, shm_dir):
-    link_reference(reference, tmp_path)
+def test_corrupted_ram_version_falls_back_to_the_older_one_with_a_warning(nemo_reference, tmp_path, shm_dir):
+    link_reference(nemo_reference, tmp_path)
     train(tmp_path, "crash", shm_dir, "--every", "2", "--kill-at", "5", expect=-9)
     obj = shm_dir / "step-4" / "rank-00001-0.fpo"
     data = bytearray(obj.read_bytes())
@@ -105,8 +95,8 @@ def test_corrupted_ram_version_falls_back_to_the_older_one_with_a_warning(refere
     assert compare(tmp_path) == []
 
 
-def test_callback_config_alone_wires_the_trainer_and_resumes_from_ram(reference, tmp_path, shm_dir):
-    link_reference(reference, tmp_path)
+def test_callback_config_alone_wires_the_trainer_and_resumes_from_ram(nemo_reference, tmp_path, shm_dir):
+    link_reference(nemo_reference, tmp_path)
     train(tmp_path, "crash", shm_dir, "--route", "callback_config", "--every", "2", "--kill-at", "5", expect=-9)
     resumed = train(tmp_path, "resume", shm_dir, "--route", "callback_config", "--every", "2",
                     "--csv-logger", str(tmp_path / "csv"))

@@ -57,11 +57,12 @@ from tests.support.multiproc import REPO, free_port
 
 sys.path.insert(0, str(REPO / "examples"))
 
-from launch import launch_ranks  # noqa: E402
 from quickstart import compare  # noqa: E402
 
+from tests.support.nemo_reference import REFERENCE_STEPS, link_reference  # noqa: E402
+
 BIN = Path(sys.executable).parent
-STEPS, EVERY, KILL_AT, KILL_RANK = 8, 2, 5, 1
+STEPS, EVERY, KILL_AT, KILL_RANK = REFERENCE_STEPS, 2, 5, 1
 TRAIN_FLAGS = ["--steps", str(STEPS), "--every", str(EVERY), "--async-save"]
 ORPHAN_GRACE_S = 5.0
 MONITOR_INTERVAL_S = 10  # the launcher notices the dead rank only after the orphan check (see the docstring)
@@ -74,17 +75,6 @@ DURABLE_EVERY = 3
 # what both launchers log when their monitor finds a failed rank, before they stop the worker group
 LAUNCHER_NOTICED = "failed (exitcode: "
 LAUNCHER_ENV = {"ft_launcher": {}, "torchrun": {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}}
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    """The uninterrupted run (no flashpoint), under out/reference as quickstart.compare expects."""
-    out = tmp_path_factory.mktemp("restart-reference")
-    code = launch_ranks(str(REPO / "tests" / "support" / "nemo_train.py"),
-                        [*TRAIN_FLAGS, "--out", str(out / "reference"), "--base", str(out / "unused-base"),
-                         "--route", "none"], timeout=300, log_dir=out / "reference")
-    assert code == 0, (out / "reference" / "rank-0.log").read_text()[-4000:]
-    return out
 
 
 def alive(entry: dict[str, Any]) -> bool:
@@ -163,9 +153,9 @@ def run_elastic(launcher: str, out: Path, base: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module", params=["ft_launcher", "torchrun"])
-def elastic_run(request, reference, tmp_path_factory) -> dict[str, Any]:
+def elastic_run(request, nemo_reference, tmp_path_factory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp(f"restart-{request.param}")
-    (out / "reference").symlink_to(reference / "reference")
+    link_reference(nemo_reference, out)
     # Unique per run: pytest's tmp names repeat across sessions, and a session killed before its cleanup
     # would leave committed versions that the next one resumes from, skipping the crash under test.
     base = Path("/dev/shm") / f"flashpoint-test-restart-{out.name}-{uuid.uuid4().hex[:12]}"
