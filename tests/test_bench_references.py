@@ -12,12 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from references import (  # noqa: E402
-    memmove_copies,
-    memmove_threaded,
-    raw_tcp_throughput,
-    split_into_shares,
-)
+from references import memmove_shares, raw_tcp_throughput, split_into_shares  # noqa: E402
 
 MiB = 1 << 20
 
@@ -36,7 +31,7 @@ def odd_copies(rng: random.Random, source_size: int, sizes: list[int]) -> tuple[
     return rows, dst
 
 
-@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("threads", [1, 3, 50])
 def test_memmove_references_copy_every_byte_and_nothing_else(threads):
     rng = random.Random(15)
     source = bytearray(rng.randbytes(12 * MiB))
@@ -44,10 +39,7 @@ def test_memmove_references_copy_every_byte_and_nothing_else(threads):
     dest = bytearray(b"\x5a" * (end + 64))
     src_base, dst_base = address_of(source), address_of(dest)
     copies = [(src_base + s, dst_base + d, n) for s, d, n in rows]
-    if threads == 1:
-        memmove_copies(copies)
-    else:
-        memmove_threaded(copies, threads)
+    memmove_shares(split_into_shares(copies, threads))
     expected = bytearray(b"\x5a" * len(dest))
     for s, d, n in rows:
         expected[d : d + n] = source[s : s + n]
