@@ -14,8 +14,9 @@ reference written apart from the code it judges cannot quietly borrow that code'
 - raw TCP: two Python threads on one loopback TCP connection, the sender sendall()-ing one
   preallocated chunk over and over, the receiver recv_into() one preallocated chunk, so both ends
   stay in cache; what it measures is the kernel's loopback TCP, which the replication
-  benchmarks' ratios are against. Interleaved with the C++ send()/recv() loop it replaced
-  (128 MiB, 9 runs each, 2 loaded vCPUs): 3.44 against 3.49 GB/s, medians.
+  benchmarks' ratios are against. Interleaved with the C++ send()/recv() loop it replaced, on 2
+  loaded vCPUs (most runs were too noisy to compare): 3.44 against 3.49 GB/s (128 MiB, medians
+  of 9), and 3.29-3.34 against 3.40-3.48 GB/s in three quiet paired rounds, i.e. 1-4% slower.
 """
 
 from __future__ import annotations
