@@ -73,8 +73,8 @@ def main(argv: list[str] | None = None) -> dict:
         steps = list(range(1, 2 * args.repeats + 2))
         for step in steps:
             _write_object(sender, step, nbytes)
-        server = _core.TransferServer(os.fspath(receiver.base_dir), SECRET, host="127.0.0.1", port=0)
-        endpoints = PeerEndpoints(server, SECRET, [None, ("127.0.0.1", server.port)])
+        server = _core.TransferServer(os.fspath(receiver.base_dir), SECRET, host="127.0.0.1", port=0, rank=1)
+        endpoints = PeerEndpoints(server, SECRET, [None, ("127.0.0.1", server.port)], rank=0)
         service = ReplicationService(sender.base_dir, NodeTopology((0, 1), rank=0), ReplicationConfig(), endpoints)
         raw, pushed, train_alone, train_during = [], [], [], []
         step_iter = iter(steps)
