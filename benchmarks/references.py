@@ -14,9 +14,11 @@ reference written apart from the code it judges cannot quietly borrow that code'
 - raw TCP: two Python threads on one loopback TCP connection, the sender sendall()-ing one
   preallocated chunk over and over, the receiver recv_into() one preallocated chunk, so both ends
   stay in cache; what it measures is the kernel's loopback TCP, which the replication
-  benchmarks' ratios are against. Interleaved with the C++ send()/recv() loop it replaced, on 2
-  loaded vCPUs (most runs were too noisy to compare): 3.44 against 3.49 GB/s (128 MiB, medians
-  of 9), and 3.29-3.34 against 3.40-3.48 GB/s in three quiet paired rounds, i.e. 1-4% slower.
+  benchmarks' ratios are against. The receiver asks for whole chunks (MSG_WAITALL): a return to
+  Python per arriving segment cost ~10% more CPU per GB than the C++ send()/recv() loop this
+  replaced; whole chunks cost the same (256 MiB, medians of 11, interleaved on 2 loaded vCPUs:
+  0.361 against 0.356 CPU s/GB in one run, 0.323 against 0.323 and 2.86 against 2.92 GB/s in
+  another).
 """
 
 from __future__ import annotations
@@ -140,7 +142,8 @@ class _Receiver(threading.Thread):
         with conn:
             got = 0
             while got < self.nbytes:
-                received = conn.recv_into(sink, min(self.chunk_bytes, self.nbytes - got))
+                # MSG_WAITALL: one return to Python per chunk, not one per segment that arrived
+                received = conn.recv_into(sink, min(self.chunk_bytes, self.nbytes - got), socket.MSG_WAITALL)
                 if received == 0:
                     raise ConnectionError(f"raw TCP sender closed after {got} of {self.nbytes} bytes")
                 got += received
