@@ -3,10 +3,12 @@
 DESIGN.md §8 states the performance budgets as ratios to memcpy, because absolute
 GB/s depend on the machine. This script measures, in one run and on one tmpfs:
 
-- memcpy      the reference: a single-threaded memcpy of every tensor into an
-              already-written tmpfs mapping of the same size.
+- memcpy      the reference: a single-threaded memcpy (libc memmove via ctypes,
+              benchmarks/references.py) of every tensor into an already-written tmpfs
+              mapping of the same size.
 - copy_limit  the machine's limit: the same copy with as many threads as our save uses,
-              plain memcpy or non-temporal stores, whichever is faster in this run. Every
+              plain memcpy (the same memmove, one contiguous share per thread) or the
+              extension's non-temporal stores, whichever is faster in this run. Every
               row also reports ratio_vs_limit; the budgets are save >= 0.9x and load >= 0.8x.
 - save_warm   CheckpointSaver.save into warm pool buffers, checksums on.
 - save_nocrc  the same with checksums off (gives the checksum overhead).
@@ -74,6 +76,8 @@ from ml_flashpoint_nemo.core import CheckpointSaver, load_version
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.tuning import default_copy_threads
 from ml_flashpoint_nemo.core.versions import read_commit
+
+from references import memmove_shares, split_into_shares
 
 SEED = 1234
 GIB = 1 << 30
@@ -280,8 +284,9 @@ class Bench:
 def bench_memcpy(bench: Bench) -> list[Result]:
     """memcpy into a mapping whose pages exist and were written once: one thread (the reference), then the limit.
 
-    The limit is the same copy spread over the save's threads, with plain memcpy and with
-    non-temporal stores; the faster of the two is reported as copy_limit.
+    The limit is the same copy spread over the save's threads, with plain memcpy (libc memmove,
+    benchmarks/references.py) and with the extension's non-temporal stores; the faster of the two
+    is reported as copy_limit.
     """
     ops: list[int] = []
     offset = 0
@@ -293,23 +298,24 @@ def bench_memcpy(bench: Bench) -> list[Result]:
     buffer = _core.ShmBuffer.create(str(path), offset)
     try:
         buffer.prefault()
+        copies = [(src, buffer.address + dst, nbytes) for src, dst, nbytes in zip(ops[0::3], ops[1::3], ops[2::3])]
+        single_copy = functools.partial(memmove_shares, split_into_shares(copies, 1))
+        plain_copy = functools.partial(memmove_shares, split_into_shares(copies, bench.threads))
+        non_temporal_copy = functools.partial(_core.copy_into_buffer, buffer, flat, checksum=False,
+                                              threads=bench.threads)
 
-        def copy(threads: int, streaming: bool) -> Callable[[], Any]:
-            return functools.partial(_core.copy_into_buffer, buffer, flat, checksum=False, threads=threads,
-                                     streaming=streaming)
-
-        copy(1, False)()  # written once: no first-touch cost in the timed runs
+        single_copy()  # written once: no first-touch cost in the timed runs
         single = median_of_runs(
-            "memcpy", timed(copy(1, False)), bench.runs, bench.nbytes,
+            "memcpy", timed(single_copy), bench.runs, bench.nbytes,
             threads=1, single_threaded=True, tensors=len(bench.state),
-            note="single-threaded plain memcpy (glibc) into a warm tmpfs mapping (the reference)",
+            note="single-threaded plain memcpy (libc memmove via ctypes) into a warm tmpfs mapping (the reference)",
         )
-        plain, streaming = medians_interleaved(bench.runs, bench.nbytes, plain=timed(copy(bench.threads, False)),
-                                               streaming=timed(copy(bench.threads, True)))
-        best = min((plain, streaming), key=lambda r: r.seconds)
+        plain, non_temporal = medians_interleaved(bench.runs, bench.nbytes, plain=timed(plain_copy),
+                                                  non_temporal=timed(non_temporal_copy))
+        best = min((plain, non_temporal), key=lambda r: r.seconds)
         limit = Result("copy_limit", best.seconds, best.samples, bench.nbytes, cpu_samples=best.cpu_samples, extra={
-            "threads": bench.threads, "stores": "non-temporal" if best is streaming else "plain memcpy",
-            "plain_gbps": round(plain.gbps, 3), "non_temporal_gbps": round(streaming.gbps, 3),
+            "threads": bench.threads, "stores": "non-temporal" if best is non_temporal else "plain memcpy",
+            "plain_gbps": round(plain.gbps, 3), "non_temporal_gbps": round(non_temporal.gbps, 3),
             "note": "the copy spread over the save's threads, the faster kind of stores (the machine's limit)",
         })
         return [single, limit]

@@ -1,7 +1,8 @@
 """Replication benchmark: push throughput of the replication service vs raw TCP, and training slowdown.
 
 Same run, same machine, loopback:
-- raw TCP: `_core.raw_tcp_throughput` (a plain C++ send()/recv() loop between two threads);
+- raw TCP: `references.raw_tcp_throughput` (two Python threads, sendall()/recv_into() of preallocated
+  buffers, on one loopback connection: the kernel's TCP, benchmarks/references.py);
 - replication: ReplicationService's background thread pushing one committed version (one object of
   --mib MiB) to a peer's TransferServer (handshake, CRC32C both ends, tmpfs write, fsync, rename),
   timed from replicate(step) to the status turning "replicated";
@@ -31,6 +32,8 @@ from ml_flashpoint_nemo.core.layout import CheckpointLayout, object_name
 from ml_flashpoint_nemo.core.topology import NodeTopology
 from ml_flashpoint_nemo.core.versions import write_commit
 from ml_flashpoint_nemo.replication.service import PeerEndpoints, ReplicationConfig, ReplicationService
+
+from references import raw_tcp_throughput
 
 SECRET = os.urandom(32)
 
@@ -70,15 +73,15 @@ def main(argv: list[str] | None = None) -> dict:
         steps = list(range(1, 2 * args.repeats + 2))
         for step in steps:
             _write_object(sender, step, nbytes)
-        server = _core.TransferServer(os.fspath(receiver.base_dir), SECRET, host="127.0.0.1", port=0)
-        endpoints = PeerEndpoints(server, SECRET, [None, ("127.0.0.1", server.port)])
+        server = _core.TransferServer(os.fspath(receiver.base_dir), SECRET, host="127.0.0.1", port=0, rank=1)
+        endpoints = PeerEndpoints(server, SECRET, [None, ("127.0.0.1", server.port)], rank=0)
         service = ReplicationService(sender.base_dir, NodeTopology((0, 1), rank=0), ReplicationConfig(), endpoints)
         raw, pushed, train_alone, train_during = [], [], [], []
         step_iter = iter(steps)
         try:
             _matmul_loop(20)  # warm-up
             for _ in range(args.repeats):
-                raw.append(_core.raw_tcp_throughput(nbytes)["bytes_per_s"])
+                raw.append(raw_tcp_throughput(nbytes)["bytes_per_s"])
                 step = next(step_iter)
                 started = time.perf_counter()
                 service.replicate(step)

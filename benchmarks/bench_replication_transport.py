@@ -1,9 +1,10 @@
 """Replication transport throughput over loopback: TransferServer push and fetch vs raw TCP, same run.
 
-Prints one JSON object. The raw baseline is a plain C++ send()/recv() loop between two threads
-of this process (`_core.raw_tcp_throughput`), the same language as the transfer service, so the
+Prints one JSON object. The raw baseline is one loopback TCP connection between two threads of
+this process (`references.raw_tcp_throughput`: sendall() of one preallocated chunk, recv_into()
+one preallocated buffer; each call releases the GIL, so what it times is the kernel's TCP), so the
 ratio measures what the protocol costs (handshake, CRC32C on the receiving end, writing the tmpfs
-file, fsync, rename), not Python.
+file, fsync, rename).
 
 The source is a real object written by CheckpointSaver (tensors of several dtypes, an empty one,
 odd sizes). Two figures are reported for each direction:
@@ -51,6 +52,8 @@ from ml_flashpoint_nemo.core.format import ObjectRecord, whole_object_crc32c
 from ml_flashpoint_nemo.core.layout import REPLICA_SPARES, CheckpointLayout
 from ml_flashpoint_nemo.core.saver import CheckpointSaver
 from ml_flashpoint_nemo.replication.service import SpareFiles
+
+from references import raw_tcp_throughput
 
 SECRET = b"bench-replication-secret-0123456789"
 STEP = 1
@@ -181,7 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
                 _core.TransferServer(dst, SECRET, max_connections=2) as cold, \
                 _core.TransferServer(os.fspath(ends.src.base_dir), SECRET, max_connections=2) as source:
             runs = {
-                "raw_tcp": lambda: _core.raw_tcp_throughput(nbytes)["bytes_per_s"],
+                "raw_tcp": lambda: raw_tcp_throughput(nbytes)["bytes_per_s"],
                 "push": lambda: _push(ends, steady.port, known_crc=True, zero_copy=False, spare=True),
                 "push_sendfile": lambda: _push(ends, steady.port, known_crc=True, zero_copy=True, spare=True),
                 "push_cold": lambda: _push(ends, cold.port, known_crc=False, zero_copy=False, spare=False),

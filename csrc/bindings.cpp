@@ -192,15 +192,13 @@ PYBIND11_MODULE(_core, m) {
 
   m.def(
       "copy_into_buffer",
-      [](ShmBuffer& buffer, const py::buffer& ops, bool checksum, int threads, bool streaming) {
+      [](ShmBuffer& buffer, const py::buffer& ops, bool checksum, int threads) {
         auto parsed = ops_from_buffer<MemToBufferOp, 3>(ops);
         py::gil_scoped_release release;
-        return copy_into_buffer(buffer, parsed, checksum, threads, streaming);
+        return copy_into_buffer(buffer, parsed, checksum, threads);
       },
       py::arg("buffer"), py::arg("ops"), py::arg("checksum") = true, py::arg("threads") = 1,
-      py::arg("streaming") = true,
-      "Copy (src_address, dst_offset, nbytes) triples into buffer; returns one CRC32C per op.\n"
-      "streaming=False uses plain memcpy (the benchmarks' reference) instead of non-temporal stores.");
+      "Copy (src_address, dst_offset, nbytes) triples into buffer; returns one CRC32C per op.");
   m.def(
       "read_file_into",
       [](int fd, const py::buffer& ops, bool checksum, int threads, const std::string& method) {

@@ -1,6 +1,5 @@
 #include "copy_engine.hpp"
 
-#include <cstring>
 #include <shared_mutex>
 #include <stdexcept>
 #include <string>
@@ -20,7 +19,7 @@ void check_in_bounds(const ShmBuffer& buffer, uint64_t offset, uint64_t nbytes) 
 }  // namespace
 
 std::vector<uint32_t> copy_into_buffer(ShmBuffer& buffer, const std::vector<MemToBufferOp>& ops, bool checksum,
-                                       int threads, bool streaming) {
+                                       int threads) {
   std::shared_lock<std::shared_mutex> guard(buffer.mapping_lock());
   buffer.check_open();
   if (!buffer.writable()) throw std::invalid_argument("buffer " + buffer.path() + " is read-only");
@@ -30,10 +29,6 @@ std::vector<uint32_t> copy_into_buffer(ShmBuffer& buffer, const std::vector<MemT
     const auto& op = ops[p.op];
     const uint8_t* src = reinterpret_cast<const uint8_t*>(op.src_address) + p.offset;
     uint8_t* dst = base + op.dst_offset + p.offset;
-    if (!streaming) {
-      std::memcpy(dst, src, p.nbytes);
-      return checksum ? crc32c(dst, p.nbytes) : uint32_t(0);
-    }
     if (!checksum) {
       copy_streaming(dst, src, p.nbytes);
       return uint32_t(0);

@@ -23,9 +23,8 @@ struct MemToBufferOp {
   uint64_t nbytes;
 };
 
-// streaming=false makes plain memcpy copies (no non-temporal stores): the benchmarks' reference.
 std::vector<uint32_t> copy_into_buffer(ShmBuffer& buffer, const std::vector<MemToBufferOp>& ops, bool checksum,
-                                       int threads, bool streaming = true);
+                                       int threads);
 
 std::vector<uint32_t> checksum_buffer_ranges(ShmBuffer& buffer, const std::vector<RangeOp>& ops, int threads);
 

@@ -152,10 +152,6 @@ TransferResult transfer_fetch(const std::string& host, int port, const std::stri
                               const std::string& remote_path, const std::string& local_base_dir,
                               const std::string& local_path, const TransferOptions& options);
 
-// Baseline for the benchmark: a plain C++ send()/recv() loop of nbytes over loopback between
-// two threads of this process. Returns the seconds it took.
-double raw_tcp_seconds(uint64_t nbytes, size_t chunk_bytes);
-
 // --- server -------------------------------------------------------------------------------
 
 struct TransferServerConfig {

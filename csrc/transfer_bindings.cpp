@@ -322,22 +322,6 @@ void register_transfer(py::module_& m) {
       "local_base_dir, same file system): a directory of spare files; the temp file is one of them when\n"
       "there is one (renamed, resized, overwritten), so the data lands on tmpfs pages that already exist.\n"
       "rank, peer_rank, min_rate_bytes_per_s, rate_grace_s: as transfer_push.");
-  m.def(
-      "raw_tcp_throughput",
-      [](uint64_t nbytes, size_t chunk_bytes) {
-        double seconds;
-        {
-          py::gil_scoped_release release;
-          seconds = raw_tcp_seconds(nbytes, chunk_bytes);
-        }
-        py::dict d;
-        d["nbytes"] = nbytes;
-        d["seconds"] = seconds;
-        d["bytes_per_s"] = seconds > 0 ? double(nbytes) / seconds : 0.0;
-        return d;
-      },
-      py::arg("nbytes"), py::arg("chunk_bytes") = size_t(256) << 10,
-      "Benchmark baseline: a plain C++ send()/recv() loop of nbytes over loopback between two threads.");
 
   py::class_<TransferPolicy, std::shared_ptr<TransferPolicy>>(
       m, "TransferPolicy",

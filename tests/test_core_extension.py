@@ -990,18 +990,6 @@ def test_large_copies_stream_correctly_at_any_alignment(shm_dir, checksum, dst_o
         buffer.close()
 
 
-def test_plain_memcpy_mode_copies_the_same_bytes(shm_dir):
-    """streaming=False (the benchmarks' memcpy reference) must copy and checksum identically."""
-    buffer = ShmBuffer.create(str(shm_dir / "buf"), 4 << 20)
-    source = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(9))
-    try:
-        crcs = _core.copy_into_buffer(buffer, ops_array([(source.data_ptr(), 64, 3 << 20)]), True, 2, streaming=False)
-        assert buffer_bytes(buffer, 64, 3 << 20) == source.numpy().tobytes()
-        assert crcs == [_core.crc32c(source.numpy().tobytes())]
-    finally:
-        buffer.close()
-
-
 def test_fused_copy_and_checksum_at_random_sizes_alignments_and_offsets(shm_dir):
     """One call, many ops at random source and destination alignments, sizes around the streaming
     threshold and not multiples of any block: every byte lands, nothing between ops is touched,
