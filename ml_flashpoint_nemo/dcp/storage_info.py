@@ -67,7 +67,9 @@ def step_of_checkpoint_id(layout: CheckpointLayout | None, checkpoint_id: Any) -
         )
     path = Path(checkpoint_id).absolute()  # "<base>/step-1/" names step-1
     step = step_of_version_dir(path.name)  # canonical only, as CheckpointLayout.version_dir names it
-    if step is None or (layout is not None and os.path.realpath(path.parent) != os.path.realpath(layout.base_dir)):
+    # The same absolute text names the same directory; only other spellings need their real paths (syscalls).
+    if step is None or (layout is not None and path.parent != layout.base_dir
+                        and os.path.realpath(path.parent) != os.path.realpath(layout.base_dir)):
         raise BaseDirError(
             f"checkpoint_id {os.fspath(checkpoint_id)!r} is not of the form {_expected(layout)}: flashpoint "
             "versions live directly in the base directory the writer/reader was created with."

@@ -13,7 +13,7 @@ import logging
 import os
 import threading
 import uuid
-from typing import Any, Iterable, cast
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
@@ -260,22 +260,29 @@ def resolve_write_items(plan: SavePlan, planner: SavePlanner) -> tuple[dict[str,
     keys: list[str] = []
     indices: list[MetadataIndex] = []
     resolve = planner.resolve_data
+    key_of = record_key_of
     byte_io = WriteItemType.BYTE_IO
     for item in plan.items:
         resolved = resolve(item)
-        data: torch.Tensor | memoryview
         if item.type is byte_io:
-            data = resolved.getbuffer() if isinstance(resolved, io.BytesIO) else memoryview(bytes(resolved))
-        else:
-            data = cast(torch.Tensor, resolved)  # DCP resolves a tensor item to its tensor
+            resolved = resolved.getbuffer() if isinstance(resolved, io.BytesIO) else memoryview(bytes(resolved))
         index = item.index
-        key = record_key_of(index.fqn, index.offset)
-        if key in flat:
-            raise UnsupportedValueError(
-                f"two items of the plan map to the record key {key!r} ({index.fqn!r} and another); "
-                "rename the state dict key that contains '@'"
-            )
-        flat[key] = data
+        key = key_of(index.fqn, index.offset)
+        flat[key] = resolved  # a tensor item resolves to its tensor
         keys.append(key)
         indices.append(index)
+    if len(flat) != len(keys):  # checked once, not per item: two items mapped to one record key
+        raise UnsupportedValueError(
+            f"two items of the plan map to the record key {_first_repeated(keys)!r}; rename the state dict key "
+            "that contains '@'"
+        )
     return flat, (tuple(keys), tuple(indices))
+
+
+def _first_repeated(keys: list[str]) -> str:
+    seen: set[str] = set()
+    for key in keys:
+        if key in seen:
+            return key
+        seen.add(key)
+    raise AssertionError("no key repeats")
