@@ -1,11 +1,11 @@
-"""The fault campaign (benchmarks/fault_campaign.py) on every fault kind once: no wrong load, no hang.
+"""The fault campaign (benchmarks/fault_campaign.py) on four of its fault kinds: no wrong load, no hang.
 
 Each run is real 2-rank training (gloo) with flashpoint saves and replication, one injected fault
 (SIGKILL at a point of stage / write / commit / node copy / replicate, of the receiving peer or at
 a random time; a flipped bit in an object, a commit record or a version file; a wiped node; a full
 tmpfs; a Manager that cannot start) and a recovery run checked against the SHA-256 of the state
 saved at the resumed step and against an uninterrupted reference. docs/reliability.md shows a 100-run
-campaign; here each kind runs once to keep CI short.
+campaign of every kind; here four kinds run once each to keep CI short.
 """
 
 from __future__ import annotations
@@ -26,7 +26,10 @@ from launch import StartupTimeoutError, launch_ranks  # noqa: E402
 
 SLOW_START_RANK = str(REPO / "tests" / "support" / "slow_start_rank.py")
 
-CI_KINDS = ("kill_write", "kill_commit", "kill_replicate", "kill_peer", "flip_commit", "flip_object", "manager_fail")
+# Four kinds per CI run (~30 s each on 2 cores): a kill at the commit, of the receiving peer, a flipped bit in an
+# object, a Manager that cannot start. SIGKILLs mid-write and corrupt commit records are also covered by
+# test_crash_recovery.py and the format tests; every kind runs in the campaign command (docs/reliability.md).
+CI_KINDS = ("kill_commit", "kill_peer", "flip_object", "manager_fail")
 
 
 def test_every_fault_kind_recovers_without_wrong_load_or_hang():
@@ -49,8 +52,7 @@ def test_every_fault_kind_recovers_without_wrong_load_or_hang():
     ran = summary["runs"] - summary["skipped"]
     assert summary["recovered_newest"] + summary["fell_back"] == ran, summary
     # faults that leave the newest committed version intact must recover it, not an older one
-    for kind in ("kill_write", "kill_commit", "kill_replicate", "flip_commit"):
-        assert summary["by_kind"][kind] == {"recovered_newest": 1}, (kind, summary["by_kind"][kind])
+    assert summary["by_kind"]["kill_commit"] == {"recovered_newest": 1}, summary["by_kind"]
     assert summary["by_kind"]["manager_fail"] == {"fell_back": 1}, summary["by_kind"]  # no RAM version exists
 
 
