@@ -263,12 +263,12 @@ def resolve_write_items(plan: SavePlan, planner: SavePlanner) -> tuple[dict[str,
     key_of = record_key_of
     byte_io = WriteItemType.BYTE_IO
     for item in plan.items:
-        resolved = resolve(item)
+        data: Any = resolve(item)  # a tensor item resolves to its tensor
         if item.type is byte_io:
-            resolved = resolved.getbuffer() if isinstance(resolved, io.BytesIO) else memoryview(bytes(resolved))
+            data = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(bytes(data))
         index = item.index
         key = key_of(index.fqn, index.offset)
-        flat[key] = resolved  # a tensor item resolves to its tensor
+        flat[key] = data
         keys.append(key)
         indices.append(index)
     if len(flat) != len(keys):  # checked once, not per item: two items mapped to one record key
