@@ -16,9 +16,11 @@ reference written apart from the code it judges cannot quietly borrow that code'
   stay in cache; what it measures is the kernel's loopback TCP, which the replication
   benchmarks' ratios are against. The receiver asks for whole chunks (MSG_WAITALL): a return to
   Python per arriving segment cost ~10% more CPU per GB than the C++ send()/recv() loop this
-  replaced; whole chunks cost the same (256 MiB, medians of 11, interleaved on 2 loaded vCPUs:
-  0.361 against 0.356 CPU s/GB in one run, 0.323 against 0.323 and 2.86 against 2.92 GB/s in
-  another).
+  replaced; whole chunks cost the same CPU (256 MiB, medians of 11, interleaved on 2 loaded
+  vCPUs: 0.361 against 0.356 CPU s/GB, and 0.323 against 0.323). On a quiet machine the whole-chunk
+  loop also moves more bytes per second than the C++ loop did (4.90 against 3.59 GB/s, medians of
+  7 interleaved 256 MiB runs), so ratios to it are lower than those measured before: see
+  docs/performance.md.
 """
 
 from __future__ import annotations

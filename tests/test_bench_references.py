@@ -63,6 +63,7 @@ def test_shares_are_contiguous_even_and_cover_every_byte_once(shares):
 
 @pytest.mark.parametrize("nbytes, chunk", [(3 * MiB + 5, 256 << 10), (100_003, 4097), (1, 1)])
 def test_raw_tcp_reference_moves_the_exact_byte_count(nbytes, chunk):
+    """The receiver raises if fewer or more than nbytes arrive; the call returns only when exactly nbytes did."""
     result = raw_tcp_throughput(nbytes, chunk)
     assert result["nbytes"] == nbytes
     assert result["seconds"] > 0 and result["bytes_per_s"] == pytest.approx(nbytes / result["seconds"])

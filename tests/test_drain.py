@@ -87,10 +87,11 @@ def test_the_drain_thread_runs_at_the_lowest_cpu_priority_and_the_trainer_keeps_
         drain.close(timeout_s=5)
 
 
-def test_a_drain_whose_priority_cannot_be_lowered_still_drains_at_normal_priority(shm_dir, tmp_path, monkeypatch,
-                                                                                  caplog):
+def test_a_drain_whose_priority_cannot_be_lowered_keeps_its_thread_and_says_why(shm_dir, tmp_path, monkeypatch,
+                                                                                caplog):
     """A sandbox may forbid setpriority (EPERM; this root test process cannot be refused for real, so the call
-    is replaced): the drain thread logs it at DEBUG and goes on serving requests."""
+    is replaced): the drain thread logs why at DEBUG, stays up waiting for requests at normal priority, and
+    closes cleanly; the trainer's own priority is untouched."""
     import logging
     import os
     import threading
@@ -107,8 +108,6 @@ def test_a_drain_whose_priority_cannot_be_lowered_still_drains_at_normal_priorit
                                       token="t", keep=1, bytes_per_s=None, timeout_s=5)
     try:
         assert drain._thread.is_alive()
-        tid = drain._thread.native_id
-        assert tid is not None
     finally:
         drain.close(timeout_s=5)
     assert not drain._thread.is_alive()  # it waited for requests and closed cleanly: the refusal did not kill it

@@ -13,6 +13,7 @@ import logging
 import os
 import threading
 import uuid
+from collections import Counter
 from typing import Any, Iterable
 
 import torch
@@ -272,17 +273,8 @@ def resolve_write_items(plan: SavePlan, planner: SavePlanner) -> tuple[dict[str,
         keys.append(key)
         indices.append(index)
     if len(flat) != len(keys):  # checked once, not per item: two items mapped to one record key
+        repeated = next(key for key, count in Counter(keys).items() if count > 1)
         raise UnsupportedValueError(
-            f"two items of the plan map to the record key {_first_repeated(keys)!r}; rename the state dict key "
-            "that contains '@'"
+            f"two items of the plan map to the record key {repeated!r}; rename the state dict key that contains '@'"
         )
     return flat, (tuple(keys), tuple(indices))
-
-
-def _first_repeated(keys: list[str]) -> str:
-    seen: set[str] = set()
-    for key in keys:
-        if key in seen:
-            return key
-        seen.add(key)
-    raise AssertionError("no key repeats")
