@@ -24,9 +24,11 @@ fi
 "$py" -c "import torch, ml_flashpoint_nemo._core as c; print('torch', torch.__version__, '| cuda:',
 torch.cuda.get_device_name() if torch.cuda.is_available() else 'none', '| crc32c:', c.crc32c_backend())"
 
-timeout 240 "$py" -m pytest -q -p no:cacheprovider -m cuda -rs tests/test_cuda.py
+tests=0
+timeout 240 "$py" -m pytest -q -p no:cacheprovider -m cuda -rs tests/test_cuda.py || tests=$?  # the benchmark runs anyway
 if "$py" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   timeout 240 "$py" benchmarks/bench_core.py --device cuda --size-gib "$size" --runs 5
 else
   echo "no CUDA device: bench_core.py --device cuda not run"
 fi
+exit "$tests"
