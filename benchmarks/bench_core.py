@@ -37,9 +37,13 @@ With --device cuda the state lives on the GPU, and the rows are the staging path
 
 - d2h_pinned  the reference: every tensor copied (non_blocking) into a page-locked host tensor
               allocated once, then one synchronize.
-- save_warm   CheckpointSaver.save of the GPU state into warm, page-locked pool buffers.
+- save_warm   CheckpointSaver.save of the GPU state into warm, page-locked pool buffers; the
+              copies go in batches, each checksummed while the next ones are in flight.
+- save_serial the same in one batch: every copy, then every checksum (what batching gains).
 - h2d_pinned  the reference for loads: page-locked host tensors copied into the GPU destinations.
-- load        load_version into pre-allocated GPU destinations, checksums verified.
+- load        load_version into pre-allocated GPU destinations, checksums verified; each batch
+              read is uploaded while the next one is read.
+- load_serial the same in one batch: every read, then every upload.
 
     python benchmarks/bench_core.py --size-gib 1          # table
     python benchmarks/bench_core.py --size-gib 1 --json   # one JSON object per line
@@ -72,7 +76,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ml_flashpoint_nemo import _core
-from ml_flashpoint_nemo.core import CheckpointSaver, load_version
+from ml_flashpoint_nemo.core import CheckpointSaver, load_version, loader
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.tuning import default_copy_threads
 from ml_flashpoint_nemo.core.versions import read_commit
@@ -544,6 +548,9 @@ def tmpfs_huge_setting(path: Path) -> str:
     return huge[0] if huge else "never"
 
 
+ONE_BATCH = 1 << 62  # a batch size no state reaches: the save or load in one batch, no overlap
+
+
 def run_cuda(args: argparse.Namespace, workdir: Path) -> list[Result]:
     """The GPU staging paths against plain page-locked copies of the same tensors, in one run."""
     if not torch.cuda.is_available():
@@ -575,15 +582,37 @@ def run_cuda(args: argparse.Namespace, workdir: Path) -> list[Result]:
     with CheckpointSaver(base, threads=args.threads) as saver:
         for _ in range(WARMUP_SAVES):
             saver.save(next(steps), state)
-        results.append(median_of_runs("save_warm", timed(lambda: saver.save(next(steps), state)), args.runs, nbytes,
-                                      threads=args.threads, source="cuda"))
+        batched = saver.staging_batch_nbytes
+
+        def save(batch_nbytes: int) -> None:
+            saver.staging_batch_nbytes = batch_nbytes
+            saver.save(next(steps), state)
+
+        warm, serial = medians_interleaved(args.runs, nbytes, save_warm=timed(lambda: save(batched)),
+                                           save_serial=timed(lambda: save(ONE_BATCH)))
+        warm.extra.update(threads=args.threads, source="cuda", batch_nbytes=batched)
+        serial.extra.update(threads=args.threads, source="cuda", note="every copy, then every checksum")
+        results += [warm, serial]
+        saver.staging_batch_nbytes = batched
         last = next(steps) - 1
         h2d()
         results.append(median_of_runs("h2d_pinned", timed(h2d, setup=lambda: zero_(dest)), args.runs, nbytes,
                                       note="non_blocking copies from page-locked host tensors, one synchronize"))
-        load = functools.partial(load_version, base, last, into=dest, threads=args.threads)
-        results.append(median_of_runs("load", timed(load, setup=lambda: zero_(dest)), args.runs, nbytes,
-                                      threads=args.threads, destination="pre-allocated GPU tensors"))
+        batched = loader.UPLOAD_BATCH_NBYTES
+
+        def load(batch_nbytes: int) -> None:
+            loader.UPLOAD_BATCH_NBYTES = batch_nbytes
+            load_version(base, last, into=dest, threads=args.threads)
+
+        try:
+            loads = medians_interleaved(args.runs, nbytes, load=timed(lambda: load(batched), setup=lambda: zero_(dest)),
+                                        load_serial=timed(lambda: load(ONE_BATCH), setup=lambda: zero_(dest)))
+        finally:
+            loader.UPLOAD_BATCH_NBYTES = batched
+        loads[0].extra.update(threads=args.threads, destination="pre-allocated GPU tensors", batch_nbytes=batched)
+        loads[1].extra.update(threads=args.threads, note="every read, then every upload")
+        results += loads
+        load(batched)
         check_equal(dest, state, "load into GPU tensors")
     shutil.rmtree(base, ignore_errors=True)
     return results

@@ -24,7 +24,14 @@ from ml_flashpoint_nemo import (
     VersionExistsError,
     VersionNotFoundError,
 )
-from ml_flashpoint_nemo.core import CheckpointSaver, committed_steps, load_newest_valid, load_version, verify_version
+from ml_flashpoint_nemo.core import (
+    CheckpointSaver,
+    committed_steps,
+    load_newest_valid,
+    load_version,
+    loader,
+    verify_version,
+)
 from ml_flashpoint_nemo.core.format import HEADER_NBYTES
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.loader import open_object
@@ -181,6 +188,17 @@ def test_flipped_data_byte_names_object_and_key(two_versions):
     assert info.value.key == "large.0" and info.value.path == str(path)
     with pytest.raises(ChecksumError):
         verify_version(two_versions, 2)
+    assert_state_equal(make_state(1, small_tensors=10), load_version(two_versions, 1))
+
+
+def test_flipped_data_byte_fails_a_batched_load_into_strided_tensors(two_versions, monkeypatch):
+    monkeypatch.setattr(loader, "UPLOAD_BATCH_NBYTES", 64 << 10)  # the error comes after earlier batches landed
+    path = object_file(two_versions, 2)
+    flip_byte(path, record_offset(two_versions, 2, "large.1") + 100)
+    expected = make_state(2, small_tensors=10)
+    into = {key: torch.zeros(expected[key].numel() * 2)[::2] for key in ("large.0", "large.1")}
+    with pytest.raises(ChecksumError, match="large.1"):
+        load_version(two_versions, 2, into=into)
     assert_state_equal(make_state(1, small_tensors=10), load_version(two_versions, 1))
 
 

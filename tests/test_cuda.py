@@ -10,11 +10,13 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ml_flashpoint_nemo.core import CheckpointSaver, load_version
+from ml_flashpoint_nemo.core import CheckpointSaver, load_version, loader
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.pinning import CudaHostRegistry
 from ml_flashpoint_nemo.core.pool import BufferPool
 from ml_flashpoint_nemo.dcp import MemoryStorageReader, MemoryStorageWriter
+from ml_flashpoint_nemo.errors import ChecksumError
+from tests.support.forge import object_path, read_parts, records_by_key
 from tests.support.states import assert_state_equal
 
 pytestmark = [
@@ -85,3 +87,39 @@ def test_dcp_save_and_load_of_gpu_state(base_dir):
     into = {k: torch.zeros_like(v) for k, v in state.items()}
     dcp.load(into, checkpoint_id=checkpoint, storage_reader=MemoryStorageReader(base_dir), no_dist=True)
     assert_state_equal(on_cpu(state), on_cpu(into))
+
+
+def test_staging_and_uploads_in_many_small_batches_stay_bit_exact(base_dir, monkeypatch):
+    # 1 MiB batches: the save checksums batch by batch behind the DMA, the load uploads behind the reads.
+    monkeypatch.setattr(loader, "UPLOAD_BATCH_NBYTES", 1 << 20)
+    state = gpu_state(4)
+    with CheckpointSaver(base_dir) as saver:
+        saver.staging_batch_nbytes = 1 << 20
+        saver.save(1, state)
+    into = {k: torch.zeros_like(v) for k, v in state.items() if isinstance(v, torch.Tensor)}
+    load_version(base_dir, 1, into=into)
+    assert_state_equal(on_cpu({k: state[k] for k in into}), on_cpu(into))
+    assert_state_equal(on_cpu(state), load_version(base_dir, 1))  # the CRCs recorded batch by batch are right
+
+
+def test_a_corrupt_record_fails_a_gpu_load_and_the_checkpoint_stays(base_dir, monkeypatch):
+    monkeypatch.setattr(loader, "UPLOAD_BATCH_NBYTES", 1 << 20)
+    state = gpu_state(5)
+    with CheckpointSaver(base_dir) as saver:
+        saver.save(1, state)
+    path = object_path(base_dir, 1)
+    _, index, _ = read_parts(path)
+    offset = records_by_key(index)["bf16"]["offset"] + 5
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        good = f.read(1)
+        f.seek(offset)
+        f.write(bytes([good[0] ^ 0x10]))
+    into = {k: torch.zeros_like(v) for k, v in state.items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(ChecksumError, match="bf16"):
+        load_version(base_dir, 1, into=into)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(good)
+    load_version(base_dir, 1, into=into)  # the uploads of the failed load left nothing behind
+    assert_state_equal(on_cpu({k: state[k] for k in into}), on_cpu(into))

@@ -178,12 +178,58 @@ def read_object(
         if entry.nbytes:
             ops.extend((entry.offset, target.data_ptr(), entry.nbytes, target.numel() * target.element_size()))
             op_entries.append(entry)
+    if staged:  # GPU (or non-contiguous) destinations
+        _read_and_upload(obj, ops, op_entries, staged, threads)
+        return result
     crcs = _read_with_errors(obj, ops, threads)
     for entry, crc in zip(op_entries, crcs):
         _check_crc(obj, entry, crc)
     for target, destination in staged:
         destination.copy_(target)
     return result
+
+
+# Reads into staging tensors go to their destinations batch by batch: on a GPU each batch's upload
+# overlaps the next read.
+UPLOAD_BATCH_NBYTES = 128 << 20
+
+
+def _read_and_upload(
+    obj: OpenObject,
+    ops: array.array,
+    op_entries: list[IndexEntry],
+    staged: list[tuple[torch.Tensor, torch.Tensor]],
+    threads: int,
+) -> None:
+    """Read (and verify) the records in batches; after each, start the uploads of its staged tensors.
+
+    The host-to-device copies are asynchronous from page-locked staging tensors, so the DMA of
+    one batch runs while the next is read from the file. Every upload has landed on return.
+    """
+    # Staging tensors with bytes have distinct addresses, which the read ops name; empty ones are not read.
+    uploads = {target.data_ptr(): (target, destination) for target, destination in staged if target.numel()}
+    empty = [(target, destination) for target, destination in staged if not target.numel()]
+    devices = {destination.device for _, destination in staged if destination.is_cuda}
+    try:
+        start = 0
+        while start < len(op_entries):
+            end, nbytes = start, 0
+            while end < len(op_entries) and (end == start or nbytes < UPLOAD_BATCH_NBYTES):
+                nbytes += op_entries[end].nbytes
+                end += 1
+            crcs = _read_with_errors(obj, ops[4 * start : 4 * end], threads)
+            for entry, crc in zip(op_entries[start:end], crcs):
+                _check_crc(obj, entry, crc)
+            for op in range(start, end):
+                pair = uploads.get(ops[4 * op + 1])  # None: read in place into a CPU destination
+                if pair is not None:
+                    pair[1].copy_(pair[0], non_blocking=pair[1].is_cuda)
+            start = end
+        for target, destination in empty:
+            destination.copy_(target)
+    finally:
+        for device in devices:  # also on an error: no upload may still read a staging tensor
+            torch.cuda.current_stream(device).synchronize()
 
 
 def _read_with_errors(obj: OpenObject, ops: array.array, threads: int) -> list[int]:

@@ -39,6 +39,17 @@ logger = logging.getLogger(__name__)
 _ZEROS = torch.zeros(LARGE_RECORD_ALIGNMENT, dtype=torch.uint8)
 
 
+# Device-to-host staging is checksummed batch by batch while later batches are copied.
+STAGING_BATCH_NBYTES = 128 << 20
+
+
+def _recorded_event(device: torch.device | None) -> Any:
+    """A CUDA event on device's current stream: it completes once every copy enqueued there before it has."""
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
 def padding_copy_ops(plan: ObjectPlan) -> array.array:
     """(src, dst_offset, nbytes) copy ops that zero every gap of the plan's layout.
 
@@ -96,6 +107,7 @@ class CheckpointSaver:
         self.rank = rank
         self.threads = threads or default_copy_threads()
         self.checksum = checksum
+        self.staging_batch_nbytes = STAGING_BATCH_NBYTES
         self.pool = pool or BufferPool(self.layout, rank, max_free=max_free_buffers)
         self._plan: ObjectPlan | None = None
         self._plan_signature: list[tuple] | None = None
@@ -252,30 +264,62 @@ class CheckpointSaver:
     ) -> list[int]:
         """Values the C++ engine cannot read directly: bytes, strided and device tensors.
 
-        Device tensors are copied by torch straight into the mapped buffer (one D2H copy),
-        then checksummed in place. Returns their CRC32Cs.
+        Device tensors are copied by torch straight into the mapped (page-locked) buffer, one
+        asynchronous DMA copy each, in batches of about staging_batch_nbytes: the CPU checksums
+        a batch as soon as its copies have landed while later ones are still in flight, so the
+        CRC adds little to the device-to-host time. Returns the CRC32Cs.
         """
+        landed: list[int] = []  # positions copied synchronously (bytes, CPU tensors)
+        in_flight: list[tuple[Any, list[int]]] = []  # (CUDA event, positions) per batch, in copy order
+        batch: list[int] = []
+        batch_device: torch.device | None = None
+        devices: set[torch.device] = set()
+        pending = 0
+        target: torch.Tensor | None = None
         with memoryview(buffer) as view, torch.no_grad():
-            for value, entry in items:
-                if value.nbytes == 0:
-                    continue
-                if value.data is not None:
-                    view[entry.offset : entry.offset + value.nbytes] = value.data
-                    continue
-                tensor = value.tensor
-                assert tensor is not None  # a prepared value holds either bytes (data) or a tensor
-                target = torch.frombuffer(view, dtype=torch.uint8, count=value.nbytes, offset=entry.offset)
-                # Device tensors: one DMA copy into the (page-locked) pool buffer, overlapped with the next.
-                target.view(tensor.dtype).view(value.shape).copy_(tensor, non_blocking=tensor.is_cuda)
-                del target
-            if any(v.tensor is not None and v.tensor.is_cuda for v, _ in items):
-                torch.cuda.synchronize()  # every copy has landed before checksums or sealing read the buffer
-        if not checksum:
-            return [0] * len(items)
-        ranges = array.array("Q")
-        for _, entry in items:
-            ranges.extend((entry.offset, entry.nbytes))
-        return _core.checksum_buffer_ranges(buffer, ranges, self.threads)
+            try:
+                for position, (value, entry) in enumerate(items):
+                    if value.nbytes == 0:
+                        continue
+                    if value.data is not None:
+                        view[entry.offset : entry.offset + value.nbytes] = value.data
+                        landed.append(position)
+                        continue
+                    tensor = value.tensor
+                    assert tensor is not None  # a prepared value holds either bytes (data) or a tensor
+                    if tensor.is_cuda and batch and (pending >= self.staging_batch_nbytes
+                                                     or tensor.device != batch_device):
+                        in_flight.append((_recorded_event(batch_device), batch))
+                        batch, pending = [], 0
+                    if tensor.is_cuda:
+                        devices.add(tensor.device)
+                    target = torch.frombuffer(view, dtype=torch.uint8, count=value.nbytes, offset=entry.offset)
+                    target.view(tensor.dtype).view(value.shape).copy_(tensor, non_blocking=tensor.is_cuda)
+                    target = None
+                    if tensor.is_cuda:
+                        batch.append(position)
+                        batch_device = tensor.device
+                        pending += value.nbytes
+                    else:
+                        landed.append(position)
+                if batch:
+                    in_flight.append((_recorded_event(batch_device), batch))
+            except BaseException:
+                target = None  # the view must have no exports left when it closes
+                for device in devices:  # no DMA may still write into a buffer the pool gets back
+                    torch.cuda.current_stream(device).synchronize()
+                raise
+            crcs = [0] * len(items)
+            for event, positions in [*in_flight, (None, landed)]:
+                if event is not None:
+                    event.synchronize()  # this batch has landed: checksums and sealing may read it
+                if checksum and positions:
+                    ranges = array.array("Q")
+                    for position in positions:
+                        ranges.extend((items[position][1].offset, items[position][1].nbytes))
+                    for position, crc in zip(positions, _core.checksum_buffer_ranges(buffer, ranges, self.threads)):
+                        crcs[position] = crc
+        return crcs
 
     def commit(
         self, step: int, objects: list[ObjectRecord], *, world_size: int = 1, metadata: dict[str, Any] | None = None
