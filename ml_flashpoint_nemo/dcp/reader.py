@@ -7,6 +7,7 @@ by CRC32C on the way). When the load plan asks for part of a stored chunk
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
@@ -37,7 +38,6 @@ from ml_flashpoint_nemo.errors import CorruptCheckpointError, VersionNotFoundErr
 logger = logging.getLogger(__name__)
 
 _Location = tuple[str, str, tuple[int, ...] | None]  # object name, record key, checked chunk size (None: bytes)
-_Request = tuple[ReadItem, str, tuple[int, ...] | None, bool]  # item, record key, chunk size, asks for all of it
 
 
 class MemoryStorageReader(StorageReader):
@@ -127,77 +127,73 @@ class MemoryStorageReader(StorageReader):
 
     @without_gc
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> "torch.futures.Future[None]":
-        commit = self._commit_record()
-        records = {o.name: o for o in commit.objects}
-        locations = self._locations
-        byte_io = LoadItemType.BYTE_IO
-        by_object: dict[str, list[_Request]] = {}
-        for item in plan.items:  # one pass, ~500 items: every check here runs per item
-            index = item.storage_index
-            location = locations.get((index.fqn, index.offset))
-            if location is None:
-                raise CorruptCheckpointError(
-                    f"{index.fqn} (offset {list(index.offset or [])}) has no storage data in version {self.step}"
-                )
-            name, key, chunk = location
-            whole = False
-            if item.type is not byte_io:
-                # The common request, a whole stored chunk, is inside it by definition; any other is checked.
-                whole = item.lengths == chunk and not any(item.storage_offsets)
-                if not whole:
-                    self._check_request(item, chunk)
-            requests = by_object.get(name)
-            if requests is None:
-                by_object[name] = [(item, key, chunk, whole)]
-            else:
-                requests.append((item, key, chunk, whole))
-        for name, requests in by_object.items():
-            if name not in records:
-                raise CorruptCheckpointError(f"object {name} is not listed in the commit record of step {self.step}")
-            with open_object(str(self.layout.object_path(commit.step, name)), records[name]) as obj:
-                self._read_items(obj, requests, planner)
-        future: torch.futures.Future[None] = torch.futures.Future()
-        future.set_result(None)
-        return future
-
-    def _read_items(self, obj: OpenObject, requests: list[_Request], planner: LoadPlanner) -> None:
-        """Read the items of one object: whole chunks straight into their destinations, parts through a copy.
+        """One pass over the items checks each and sorts it into its object's reads; then each object is read.
 
         The direct path needs one item per stored chunk asking for all of it, into a destination
         of its dtype (read_object then checks the shape and reads in place, verifying the CRC).
         Everything else (resharding, dtype conversion, a chunk asked for twice) reads the chunk
-        once, verified, and copies the parts out.
+        once, verified, and copies the parts out. Nothing is read before every item is checked.
         """
-        entries = {e.key: e for e in obj.entries}
-        direct: dict[str, tuple[ReadItem, torch.Tensor]] = {}  # record key -> (its one item, its destination)
-        copied: dict[str, list[tuple[ReadItem, torch.Tensor | None]]] = {}  # key -> items, destinations resolved or not
-        as_bytes: dict[str, list[ReadItem]] = {}
+        commit = self._commit_record()
+        locations = self._locations
         byte_io = LoadItemType.BYTE_IO
-        for item, key, chunk, whole in requests:
-            entry = entries.get(key)
-            if entry is None:
-                raise CorruptCheckpointError(f"record {key!r} is missing from {obj.path}")
-            if item.type is byte_io:
-                as_bytes.setdefault(key, []).append(item)
-                continue
-            if chunk != entry.shape:  # the stored record has the shape the metadata gives this request's chunk
-                self._check_record(item, entry, chunk, obj.path)
-            pieces = copied.get(key)
-            if pieces is not None:
-                pieces.append((item, None))
-                continue
-            earlier = direct.pop(key, None)
-            if earlier is not None:  # the chunk is asked for twice: both go through a copy
-                copied[key] = [earlier, (item, None)]
-                continue
-            if whole:
-                target = _destination(planner, item)
-                if dtype_name(target.dtype) == entry.dtype:
-                    direct[key] = (item, target)
+        with contextlib.ExitStack() as opened:
+            objects: dict[str, _ObjectReads] = {}
+            for item in plan.items:  # ~500 items: every check here runs per item
+                index = item.storage_index
+                location = locations.get((index.fqn, index.offset))
+                if location is None:
+                    raise CorruptCheckpointError(
+                        f"{index.fqn} (offset {list(index.offset or [])}) has no storage data in version {self.step}"
+                    )
+                name, key, chunk = location
+                reads = objects.get(name)
+                if reads is None:
+                    reads = objects[name] = self._open(opened, commit, name)
+                entry = reads.entries.get(key)
+                if entry is None:
+                    raise CorruptCheckpointError(f"record {key!r} is missing from {reads.obj.path}")
+                if item.type is byte_io:
+                    reads.as_bytes.setdefault(key, []).append(item)
+                    continue
+                # The common request, a whole stored chunk, is inside it by definition; any other is checked.
+                whole = item.lengths == chunk and not any(item.storage_offsets)
+                if not whole:
+                    self._check_request(item, chunk)
+                if chunk != entry.shape:  # the stored record has the shape the metadata gives this request's chunk
+                    self._check_record(item, entry, chunk, reads.obj.path)
+                copied = reads.copied
+                pieces = copied.get(key)
+                if pieces is not None:
+                    pieces.append((item, None))
+                    continue
+                earlier = reads.direct.pop(key, None)
+                if earlier is not None:  # the chunk is asked for twice: both go through a copy
+                    copied[key] = [earlier, (item, None)]
+                    continue
+                if whole:
+                    target = _destination(planner, item)
+                    if dtype_name(target.dtype) == entry.dtype:
+                        reads.direct[key] = (item, target)
+                    else:
+                        copied[key] = [(item, target)]
                 else:
-                    copied[key] = [(item, target)]
-            else:
-                copied[key] = [(item, None)]
+                    copied[key] = [(item, None)]
+            for reads in objects.values():
+                self._read_items(reads, planner)
+        future: torch.futures.Future[None] = torch.futures.Future()
+        future.set_result(None)
+        return future
+
+    def _open(self, opened: contextlib.ExitStack, commit: CommitRecord, name: str) -> "_ObjectReads":
+        record = next((o for o in commit.objects if o.name == name), None)
+        if record is None:
+            raise CorruptCheckpointError(f"object {name} is not listed in the commit record of step {self.step}")
+        return _ObjectReads(opened.enter_context(open_object(str(self.layout.object_path(commit.step, name)), record)))
+
+    def _read_items(self, reads: "_ObjectReads", planner: LoadPlanner) -> None:
+        """Read one object's items, sorted by read_data: whole chunks in place, parts through a copy."""
+        obj, direct, copied, as_bytes = reads.obj, reads.direct, reads.copied, reads.as_bytes
         loaded = read_object(obj, into={key: target for key, (_, target) in direct.items()},
                              keys=[*copied, *as_bytes], threads=self.threads)
         for item, target in direct.values():
@@ -247,6 +243,19 @@ class MemoryStorageReader(StorageReader):
                 f"elements but the DCP metadata of version {self.step} says {list(chunk or [])}. Load another "
                 "version, or the durable checkpoint."
             )
+
+
+class _ObjectReads:
+    """What read_data reads from one open object, by record key."""
+
+    __slots__ = ("obj", "entries", "direct", "copied", "as_bytes")
+
+    def __init__(self, obj: OpenObject) -> None:
+        self.obj = obj
+        self.entries = {e.key: e for e in obj.entries}
+        self.direct: dict[str, tuple[ReadItem, torch.Tensor]] = {}  # record key -> (its one item, its destination)
+        self.copied: dict[str, list[tuple[ReadItem, torch.Tensor | None]]] = {}  # items, destinations resolved or not
+        self.as_bytes: dict[str, list[ReadItem]] = {}
 
 
 def _destination(planner: LoadPlanner, item: ReadItem) -> torch.Tensor:
