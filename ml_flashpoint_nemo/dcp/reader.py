@@ -3,6 +3,10 @@
 Records are read straight into the tensors DCP resolves for them (one copy, verified
 by CRC32C on the way). When the load plan asks for part of a stored chunk
 (resharding), the chunk is read once, verified, and the parts are copied out.
+
+The lookup table built from `.metadata` (where each item is, its chunk checked) is kept per
+process for the last few `.metadata` contents, keyed by their bytes: a later load of the same
+bytes (the same version again, or one whose metadata repeats) skips the checks.
 """
 
 from __future__ import annotations
@@ -11,7 +15,9 @@ import contextlib
 import io
 import logging
 import os
+import threading
 import uuid
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -19,7 +25,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
-from ml_flashpoint_nemo.core.format import CommitRecord, IndexEntry
+from ml_flashpoint_nemo.core.format import FILES_KEY, CommitRecord, IndexEntry
 from ml_flashpoint_nemo.core.gc_pause import without_gc
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.loader import OpenObject, open_object, read_object
@@ -38,6 +44,14 @@ from ml_flashpoint_nemo.errors import CorruptCheckpointError, VersionNotFoundErr
 logger = logging.getLogger(__name__)
 
 _Location = tuple[str, str, tuple[int, ...] | None]  # object name, record key, checked chunk size (None: bytes)
+_Locations = dict[tuple[str, Any], _Location]  # keyed by (fqn, offset), what DCP's MetadataIndex compares
+
+# The checked lookup tables of the last few `.metadata` contents read in this process: (size, CRC32C) of
+# the bytes, as their commit record gives them -> the bytes and the table built from them. A hit needs the
+# same bytes, compared in full (a CRC is easily forged). Tables are never changed once built.
+_TABLES: OrderedDict[tuple[Any, Any], tuple[bytes, _Locations]] = OrderedDict()
+_TABLES_KEPT = 4
+_TABLES_LOCK = threading.Lock()
 
 
 class MemoryStorageReader(StorageReader):
@@ -54,13 +68,15 @@ class MemoryStorageReader(StorageReader):
         self.load_id = uuid.uuid4().hex
         self._commit: CommitRecord | None = None
         # (fqn, offset), what DCP's MetadataIndex compares -> (object name, record key, checked chunk size or None)
-        self._locations: dict[tuple[str, Any], _Location] = {}
+        self._locations: _Locations = {}
+        self._decoded: tuple[Metadata, _Locations] | None = None  # what read_metadata returned last, and its table
 
     validate_checkpoint_id = CheckpointIdCheck()  # agrees with reset(): see step_of_checkpoint_id
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.load_id = uuid.uuid4().hex
         self._commit = None
+        self._decoded = None
         if checkpoint_id is not None:
             self.step = step_of_checkpoint_id(self.layout, checkpoint_id)
         elif self.step is None:
@@ -89,17 +105,42 @@ class MemoryStorageReader(StorageReader):
 
     @without_gc  # unpickling ~1,500 objects per 500 tensors would often set off a full collection here
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        encoded = read_checked_file(self.layout, self._commit_record(), DCP_METADATA_NAME)
+        commit = self._commit_record()
+        encoded = read_checked_file(self.layout, commit, DCP_METADATA_NAME)
         step = self._current_step()  # the commit record's
         metadata = decode_metadata(encoded, step)  # verified against the commit record first
+        # The lookup table of these bytes: built now, before anyone else holds this Metadata, when not cached
+        described = commit.metadata[FILES_KEY][DCP_METADATA_NAME]  # read_checked_file checked the bytes against it
+        key = (described["nbytes"], described["crc32c"])
+        with _TABLES_LOCK:
+            cached = _TABLES.get(key)
+            if cached is not None:
+                _TABLES.move_to_end(key)
+        if cached is not None and cached[0] == encoded:
+            locations = cached[1]
+        else:
+            locations = self._checked_locations(metadata)
+            with _TABLES_LOCK:
+                _TABLES[key] = (encoded, locations)
+                while len(_TABLES) > _TABLES_KEPT:
+                    _TABLES.popitem(last=False)
+        self._decoded = (metadata, locations)
         # not in the file (it changes every save): rebuilt from the path and the commit record
         metadata.storage_meta = StorageMeta(checkpoint_id=os.fspath(self.layout.version_dir(step)),
-                                            save_id=self._commit_record().metadata.get("save_id", ""),
-                                            load_id=self.load_id)
+                                            save_id=commit.metadata.get("save_id", ""), load_id=self.load_id)
         return metadata
 
     @without_gc
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        decoded = self._decoded
+        if decoded is not None and decoded[0] is metadata:  # what read_metadata returned: its table is built
+            self._locations = decoded[1]
+        else:
+            self._locations = self._checked_locations(metadata)
+        self._commit_record()
+
+    def _checked_locations(self, metadata: Metadata) -> _Locations:
+        """Where each item of metadata is stored, after checking its storage data and chunks."""
         storage_data = metadata.storage_data  # a dict: decode_metadata checked it
         if not storage_data and metadata.state_dict_metadata:
             # An empty state saves an empty .metadata and loads (as with FileSystemWriter); items without storage do not.
@@ -111,13 +152,12 @@ class MemoryStorageReader(StorageReader):
         # MetadataIndex's dataclass __hash__/__eq__ in Python (two calls per item otherwise).
         step = self.step
         chunk_sizes = checked_chunk_sizes(metadata, step)
-        locations: dict[tuple[str, Any], _Location] = {}
+        locations: _Locations = {}
         for index, value in storage_data.items():
             at = (index.fqn, index.offset)
             name, key = item_location(value, index, step)
             locations[at] = (name, key, chunk_sizes.get(at))
-        self._locations = locations
-        self._commit_record()
+        return locations
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
