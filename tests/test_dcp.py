@@ -500,6 +500,41 @@ def test_storage_data_follows_each_save_even_when_record_keys_repeat(base_dir):
             assert torch.equal(dest[key], value) if isinstance(value, torch.Tensor) else dest[key] == value, (step, key)
 
 
+def test_metadata_compared_before_the_copy_is_trusted_only_for_the_object_finish_gets(base_dir, monkeypatch):
+    """write_data compares the planner's Metadata with the last save's before the copy; finish reuses the bytes
+    on that answer only when DCP hands it that same object. A planner whose `metadata` is not the Metadata of
+    this save (here: an equal copy of the last one, while this save's shapes changed) gets fresh bytes."""
+    from ml_flashpoint_nemo.dcp import writer as writer_module
+
+    answers: list[Any] = []
+    real_compare_early = writer_module.compare_early
+    monkeypatch.setattr(writer_module, "compare_early", lambda *a: answers.append(real_compare_early(*a)) or answers[-1])
+    writer = MemoryStorageWriter(base_dir, keep=4)
+    first = {"w": torch.randn(4, 3), "b": torch.randn(3)}
+    returned = dcp_without_process_group(lambda: dcp.save(first, checkpoint_id=base_dir / "step-1",
+                                                          storage_writer=writer))
+    dcp_without_process_group(lambda: dcp.save(first, checkpoint_id=base_dir / "step-2", storage_writer=writer))
+    assert answers[0] is None and answers[1] is not None  # nothing to compare with yet; then equal
+    assert (base_dir / "step-1" / ".metadata").read_bytes() == (base_dir / "step-2" / ".metadata").read_bytes()
+
+    class StalePlanner(DefaultSavePlanner):
+        def create_global_plan(self, all_plans):  # type: ignore[no-untyped-def]
+            plans, metadata = super().create_global_plan(all_plans)
+            self.metadata = returned  # equal to what the last save wrote, not what DCP hands finish
+            return plans, metadata
+
+    changed = {"w": torch.randn(2, 6), "b": torch.randn(3)}
+    dcp_without_process_group(lambda: dcp.save(changed, checkpoint_id=base_dir / "step-3", storage_writer=writer,
+                                               planner=StalePlanner()))
+    writer.close()
+    assert answers[2] is not None  # the stale Metadata compared equal, and was not trusted
+    assert pickle.loads((base_dir / "step-3" / ".metadata").read_bytes()).state_dict_metadata["w"].size == (2, 6)
+    dest = {k: torch.zeros_like(v) for k, v in changed.items()}
+    dcp_without_process_group(lambda: dcp.load(dest, checkpoint_id=base_dir / "step-3",
+                                               storage_reader=MemoryStorageReader(base_dir)))
+    assert all(torch.equal(dest[k], v) for k, v in changed.items())
+
+
 def test_lookup_table_is_reused_only_for_the_same_metadata_bytes(base_dir, monkeypatch):
     """The reader keeps the checked lookup table of `.metadata` bytes it read: a second load of the same bytes
     skips the checks; changed bytes for the same step, a cached entry under the file's checksum but of other
