@@ -500,6 +500,95 @@ def test_storage_data_follows_each_save_even_when_record_keys_repeat(base_dir):
             assert torch.equal(dest[key], value) if isinstance(value, torch.Tensor) else dest[key] == value, (step, key)
 
 
+def test_metadata_compared_before_the_copy_is_trusted_only_for_the_object_finish_gets(base_dir, monkeypatch):
+    """write_data compares the planner's Metadata with the last save's before the copy; finish reuses the bytes
+    on that answer only when DCP hands it that same object. A planner whose `metadata` is not the Metadata of
+    this save (here: an equal copy of the last one, while this save's shapes changed) gets fresh bytes."""
+    from ml_flashpoint_nemo.dcp import writer as writer_module
+
+    answers: list[Any] = []
+    real_compare_early = writer_module.compare_early
+    monkeypatch.setattr(writer_module, "compare_early", lambda *a: answers.append(real_compare_early(*a)) or answers[-1])
+    writer = MemoryStorageWriter(base_dir, keep=4)
+    first = {"w": torch.randn(4, 3), "b": torch.randn(3)}
+    returned = dcp_without_process_group(lambda: dcp.save(first, checkpoint_id=base_dir / "step-1",
+                                                          storage_writer=writer))
+    dcp_without_process_group(lambda: dcp.save(first, checkpoint_id=base_dir / "step-2", storage_writer=writer))
+    assert answers[0] is None and answers[1] is not None  # nothing to compare with yet; then equal
+    assert (base_dir / "step-1" / ".metadata").read_bytes() == (base_dir / "step-2" / ".metadata").read_bytes()
+
+    class StalePlanner(DefaultSavePlanner):
+        def create_global_plan(self, all_plans):  # type: ignore[no-untyped-def]
+            plans, metadata = super().create_global_plan(all_plans)
+            self.metadata = returned  # equal to what the last save wrote, not what DCP hands finish
+            return plans, metadata
+
+    changed = {"w": torch.randn(2, 6), "b": torch.randn(3)}
+    dcp_without_process_group(lambda: dcp.save(changed, checkpoint_id=base_dir / "step-3", storage_writer=writer,
+                                               planner=StalePlanner()))
+    writer.close()
+    assert answers[2] is not None  # the stale Metadata compared equal, and was not trusted
+    assert pickle.loads((base_dir / "step-3" / ".metadata").read_bytes()).state_dict_metadata["w"].size == (2, 6)
+    dest = {k: torch.zeros_like(v) for k, v in changed.items()}
+    dcp_without_process_group(lambda: dcp.load(dest, checkpoint_id=base_dir / "step-3",
+                                               storage_reader=MemoryStorageReader(base_dir)))
+    assert all(torch.equal(dest[k], v) for k, v in changed.items())
+
+
+def test_lookup_table_is_reused_only_for_the_same_metadata_bytes(base_dir, monkeypatch):
+    """The reader keeps the checked lookup table of `.metadata` bytes it read: a second load of the same bytes
+    skips the checks; changed bytes for the same step, a cached entry under the file's checksum but of other
+    bytes, or a Metadata the caller changed after read_metadata are never served from it."""
+    from collections import OrderedDict
+
+    from ml_flashpoint_nemo.dcp import reader as reader_module
+
+    monkeypatch.setattr(reader_module, "_TABLES", OrderedDict())
+    checks = []
+    real_checked_chunk_sizes = reader_module.checked_chunk_sizes
+    monkeypatch.setattr(reader_module, "checked_chunk_sizes", lambda *a: checks.append(a[1]) or real_checked_chunk_sizes(*a))
+
+    def save(state: dict[str, Any]) -> None:
+        writer = MemoryStorageWriter(base_dir)
+        dcp_without_process_group(lambda: dcp.save(state, checkpoint_id=base_dir / "step-1", storage_writer=writer))
+        writer.close()
+
+    def load_and_check(state: dict[str, Any]) -> None:
+        dest = {k: torch.zeros_like(v) for k, v in state.items()}
+        dcp_without_process_group(lambda: dcp.load(dest, checkpoint_id=base_dir / "step-1",
+                                                   storage_reader=MemoryStorageReader(base_dir)))
+        assert all(torch.equal(dest[k], v) for k, v in state.items())
+
+    first = {"w": torch.randn(4, 3), "b": torch.randn(3)}
+    save(first)
+    load_and_check(first)
+    load_and_check(first)
+    assert checks == [1], "the second load of the same bytes skips the checks"
+
+    # The same step saved again with another structure: other bytes, checked and loaded as they are now
+    second = {"w": torch.randn(2, 6), "b": torch.randn(5), "c": torch.randn(1)}
+    save(second)
+    load_and_check(second)
+    assert checks == [1, 1]
+
+    # An entry under the file's (size, CRC32C) but of other bytes (a forged CRC) is not used
+    described = read_commit(CheckpointLayout(base_dir), 1).metadata[FILES_KEY][".metadata"]
+    key = (described["nbytes"], described["crc32c"])
+    reader_module._TABLES[key] = (b"\0" * described["nbytes"], {})
+    load_and_check(second)
+    assert checks == [1, 1, 1]
+    load_and_check(second)
+    assert checks == [1, 1, 1]
+
+    # What a caller does to the Metadata read_metadata returned does not reach the cached table
+    reader = MemoryStorageReader(base_dir)
+    reader.reset(base_dir / "step-1")
+    returned = reader.read_metadata()
+    returned.storage_data = {index: ("rank-00099-0.fpo", "nothing") for index in returned.storage_data}
+    load_and_check(second)
+    assert checks == [1, 1, 1]
+
+
 def test_metadata_file_writes_equal_sizes_once_and_decodes_to_the_saved_metadata(base_dir):
     """Equal sizes, offsets and tensor properties are one object each in `.metadata` (smaller, faster to
     unpickle); what it decodes to equals the Metadata DCP built, torch.Size stays torch.Size."""

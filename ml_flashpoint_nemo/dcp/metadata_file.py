@@ -46,10 +46,40 @@ _LOCK = threading.Lock()
 _FQN_AND_OFFSET = operator.attrgetter("fqn", "offset")  # what MetadataIndex compares, as a tuple (in C)
 
 
-def encode_metadata(base_dir: str | os.PathLike[str], metadata: Metadata, writes: Sequence[RankWrite]) -> bytes:
+@dataclasses.dataclass(frozen=True)
+class EarlyComparison:
+    """`metadata`, less storage_data and storage_meta, equalled what `last` was encoded from."""
+
+    metadata: Metadata
+    last: _Written
+
+
+def compare_early(base_dir: str | os.PathLike[str], metadata: Any) -> EarlyComparison | None:
+    """Compare a save's Metadata with the last one written into base_dir before the state's copy.
+
+    The coordinator's write_data calls it while DCP's Metadata is still in the CPU caches (after
+    the copy has evicted it, the same comparison in finish() takes longer). encode_metadata trusts
+    the answer only for this very object and last save: DCP hands finish() the Metadata its
+    planner built, unchanged since.
+    """
+    with _LOCK:
+        last = _LAST_WRITTEN.get(os.fspath(base_dir))
+    try:
+        equal = last is not None and isinstance(metadata, Metadata) and last.rest == _rest(metadata)
+    except Exception:  # noqa: BLE001 - an odd Metadata subclass: encode_metadata compares (or fails) as before
+        return None
+    return EarlyComparison(metadata, last) if equal and last is not None else None
+
+
+def _rest(metadata: Metadata) -> Metadata:
+    return dataclasses.replace(metadata, storage_meta=None, storage_data=None)
+
+
+def encode_metadata(base_dir: str | os.PathLike[str], metadata: Metadata, writes: Sequence[RankWrite],
+                    early: EarlyComparison | None = None) -> bytes:
     """Set metadata.storage_data from every rank's RankWrite, and return the bytes of `.metadata`.
 
-    Both are reused from the last save into base_dir while the structure repeats.
+    Both are reused from the last save into base_dir while the structure repeats (see compare_early).
     """
     layout: _Layout = tuple((name, tuple(map(_FQN_AND_OFFSET, indices))) for name, _, _, indices in writes)
     key = os.fspath(base_dir)
@@ -57,17 +87,16 @@ def encode_metadata(base_dir: str | os.PathLike[str], metadata: Metadata, writes
         last = _LAST_WRITTEN.get(key)
     if last is not None and last.layout == layout:
         metadata.storage_data = dict(last.storage_data)
+        if (early is not None and early.metadata is metadata and early.last is last) or last.rest == _rest(metadata):
+            return last.encoded
     else:
         metadata.storage_data = {index: (name, record_key) for name, _, keys, indices in writes
                                  for index, record_key in zip(indices, keys)}
-    rest = dataclasses.replace(metadata, storage_meta=None, storage_data=None)
-    if last is not None and last.layout == layout and last.rest == rest:
-        return last.encoded
     private: Metadata = pickle.loads(pickle.dumps(dataclasses.replace(metadata, storage_meta=None),
                                                   protocol=pickle.HIGHEST_PROTOCOL))
     _share_equal_values(private)
     encoded = pickle.dumps(private, protocol=pickle.HIGHEST_PROTOCOL)
-    written = _Written(layout, private.storage_data, dataclasses.replace(private, storage_data=None), encoded)
+    written = _Written(layout, private.storage_data, _rest(private), encoded)
     with _LOCK:
         _LAST_WRITTEN[key] = written
     return encoded

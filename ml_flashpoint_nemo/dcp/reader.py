@@ -3,14 +3,21 @@
 Records are read straight into the tensors DCP resolves for them (one copy, verified
 by CRC32C on the way). When the load plan asks for part of a stored chunk
 (resharding), the chunk is read once, verified, and the parts are copied out.
+
+The lookup table built from `.metadata` (where each item is, its chunk checked) is kept per
+process for the last few `.metadata` contents, keyed by their bytes: a later load of the same
+bytes (the same version again, or one whose metadata repeats) skips the checks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
+import threading
 import uuid
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -18,7 +25,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
-from ml_flashpoint_nemo.core.format import CommitRecord, IndexEntry
+from ml_flashpoint_nemo.core.format import FILES_KEY, CommitRecord, IndexEntry
 from ml_flashpoint_nemo.core.gc_pause import without_gc
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.loader import OpenObject, open_object, read_object
@@ -37,7 +44,14 @@ from ml_flashpoint_nemo.errors import CorruptCheckpointError, VersionNotFoundErr
 logger = logging.getLogger(__name__)
 
 _Location = tuple[str, str, tuple[int, ...] | None]  # object name, record key, checked chunk size (None: bytes)
-_Request = tuple[ReadItem, str, tuple[int, ...] | None, bool]  # item, record key, chunk size, asks for all of it
+_Locations = dict[tuple[str, Any], _Location]  # keyed by (fqn, offset), what DCP's MetadataIndex compares
+
+# The checked lookup tables of the last few `.metadata` contents read in this process: (size, CRC32C) of
+# the bytes, as their commit record gives them -> the bytes and the table built from them. A hit needs the
+# same bytes, compared in full (a CRC is easily forged). Tables are never changed once built.
+_TABLES: OrderedDict[tuple[Any, Any], tuple[bytes, _Locations]] = OrderedDict()
+_TABLES_KEPT = 4
+_TABLES_LOCK = threading.Lock()
 
 
 class MemoryStorageReader(StorageReader):
@@ -54,13 +68,15 @@ class MemoryStorageReader(StorageReader):
         self.load_id = uuid.uuid4().hex
         self._commit: CommitRecord | None = None
         # (fqn, offset), what DCP's MetadataIndex compares -> (object name, record key, checked chunk size or None)
-        self._locations: dict[tuple[str, Any], _Location] = {}
+        self._locations: _Locations = {}
+        self._decoded: tuple[Metadata, _Locations] | None = None  # what read_metadata returned last, and its table
 
     validate_checkpoint_id = CheckpointIdCheck()  # agrees with reset(): see step_of_checkpoint_id
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self.load_id = uuid.uuid4().hex
         self._commit = None
+        self._decoded = None
         if checkpoint_id is not None:
             self.step = step_of_checkpoint_id(self.layout, checkpoint_id)
         elif self.step is None:
@@ -89,17 +105,42 @@ class MemoryStorageReader(StorageReader):
 
     @without_gc  # unpickling ~1,500 objects per 500 tensors would often set off a full collection here
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        encoded = read_checked_file(self.layout, self._commit_record(), DCP_METADATA_NAME)
+        commit = self._commit_record()
+        encoded = read_checked_file(self.layout, commit, DCP_METADATA_NAME)
         step = self._current_step()  # the commit record's
         metadata = decode_metadata(encoded, step)  # verified against the commit record first
+        # The lookup table of these bytes: built now, before anyone else holds this Metadata, when not cached
+        described = commit.metadata[FILES_KEY][DCP_METADATA_NAME]  # read_checked_file checked the bytes against it
+        key = (described["nbytes"], described["crc32c"])
+        with _TABLES_LOCK:
+            cached = _TABLES.get(key)
+            if cached is not None:
+                _TABLES.move_to_end(key)
+        if cached is not None and cached[0] == encoded:
+            locations = cached[1]
+        else:
+            locations = self._checked_locations(metadata)
+            with _TABLES_LOCK:
+                _TABLES[key] = (encoded, locations)
+                while len(_TABLES) > _TABLES_KEPT:
+                    _TABLES.popitem(last=False)
+        self._decoded = (metadata, locations)
         # not in the file (it changes every save): rebuilt from the path and the commit record
         metadata.storage_meta = StorageMeta(checkpoint_id=os.fspath(self.layout.version_dir(step)),
-                                            save_id=self._commit_record().metadata.get("save_id", ""),
-                                            load_id=self.load_id)
+                                            save_id=commit.metadata.get("save_id", ""), load_id=self.load_id)
         return metadata
 
     @without_gc
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        decoded = self._decoded
+        if decoded is not None and decoded[0] is metadata:  # what read_metadata returned: its table is built
+            self._locations = decoded[1]
+        else:
+            self._locations = self._checked_locations(metadata)
+        self._commit_record()
+
+    def _checked_locations(self, metadata: Metadata) -> _Locations:
+        """Where each item of metadata is stored, after checking its storage data and chunks."""
         storage_data = metadata.storage_data  # a dict: decode_metadata checked it
         if not storage_data and metadata.state_dict_metadata:
             # An empty state saves an empty .metadata and loads (as with FileSystemWriter); items without storage do not.
@@ -111,13 +152,12 @@ class MemoryStorageReader(StorageReader):
         # MetadataIndex's dataclass __hash__/__eq__ in Python (two calls per item otherwise).
         step = self.step
         chunk_sizes = checked_chunk_sizes(metadata, step)
-        locations: dict[tuple[str, Any], _Location] = {}
+        locations: _Locations = {}
         for index, value in storage_data.items():
             at = (index.fqn, index.offset)
             name, key = item_location(value, index, step)
             locations[at] = (name, key, chunk_sizes.get(at))
-        self._locations = locations
-        self._commit_record()
+        return locations
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -127,77 +167,73 @@ class MemoryStorageReader(StorageReader):
 
     @without_gc
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> "torch.futures.Future[None]":
-        commit = self._commit_record()
-        records = {o.name: o for o in commit.objects}
-        locations = self._locations
-        byte_io = LoadItemType.BYTE_IO
-        by_object: dict[str, list[_Request]] = {}
-        for item in plan.items:  # one pass, ~500 items: every check here runs per item
-            index = item.storage_index
-            location = locations.get((index.fqn, index.offset))
-            if location is None:
-                raise CorruptCheckpointError(
-                    f"{index.fqn} (offset {list(index.offset or [])}) has no storage data in version {self.step}"
-                )
-            name, key, chunk = location
-            whole = False
-            if item.type is not byte_io:
-                # The common request, a whole stored chunk, is inside it by definition; any other is checked.
-                whole = item.lengths == chunk and not any(item.storage_offsets)
-                if not whole:
-                    self._check_request(item, chunk)
-            requests = by_object.get(name)
-            if requests is None:
-                by_object[name] = [(item, key, chunk, whole)]
-            else:
-                requests.append((item, key, chunk, whole))
-        for name, requests in by_object.items():
-            if name not in records:
-                raise CorruptCheckpointError(f"object {name} is not listed in the commit record of step {self.step}")
-            with open_object(str(self.layout.object_path(commit.step, name)), records[name]) as obj:
-                self._read_items(obj, requests, planner)
-        future: torch.futures.Future[None] = torch.futures.Future()
-        future.set_result(None)
-        return future
-
-    def _read_items(self, obj: OpenObject, requests: list[_Request], planner: LoadPlanner) -> None:
-        """Read the items of one object: whole chunks straight into their destinations, parts through a copy.
+        """One pass over the items checks each and sorts it into its object's reads; then each object is read.
 
         The direct path needs one item per stored chunk asking for all of it, into a destination
         of its dtype (read_object then checks the shape and reads in place, verifying the CRC).
         Everything else (resharding, dtype conversion, a chunk asked for twice) reads the chunk
-        once, verified, and copies the parts out.
+        once, verified, and copies the parts out. Nothing is read before every item is checked.
         """
-        entries = {e.key: e for e in obj.entries}
-        direct: dict[str, tuple[ReadItem, torch.Tensor]] = {}  # record key -> (its one item, its destination)
-        copied: dict[str, list[tuple[ReadItem, torch.Tensor | None]]] = {}  # key -> items, destinations resolved or not
-        as_bytes: dict[str, list[ReadItem]] = {}
+        commit = self._commit_record()
+        locations = self._locations
         byte_io = LoadItemType.BYTE_IO
-        for item, key, chunk, whole in requests:
-            entry = entries.get(key)
-            if entry is None:
-                raise CorruptCheckpointError(f"record {key!r} is missing from {obj.path}")
-            if item.type is byte_io:
-                as_bytes.setdefault(key, []).append(item)
-                continue
-            if chunk != entry.shape:  # the stored record has the shape the metadata gives this request's chunk
-                self._check_record(item, entry, chunk, obj.path)
-            pieces = copied.get(key)
-            if pieces is not None:
-                pieces.append((item, None))
-                continue
-            earlier = direct.pop(key, None)
-            if earlier is not None:  # the chunk is asked for twice: both go through a copy
-                copied[key] = [earlier, (item, None)]
-                continue
-            if whole:
-                target = _destination(planner, item)
-                if dtype_name(target.dtype) == entry.dtype:
-                    direct[key] = (item, target)
+        with contextlib.ExitStack() as opened:
+            objects: dict[str, _ObjectReads] = {}
+            for item in plan.items:  # ~500 items: every check here runs per item
+                index = item.storage_index
+                location = locations.get((index.fqn, index.offset))
+                if location is None:
+                    raise CorruptCheckpointError(
+                        f"{index.fqn} (offset {list(index.offset or [])}) has no storage data in version {self.step}"
+                    )
+                name, key, chunk = location
+                reads = objects.get(name)
+                if reads is None:
+                    reads = objects[name] = self._open(opened, commit, name)
+                entry = reads.entries.get(key)
+                if entry is None:
+                    raise CorruptCheckpointError(f"record {key!r} is missing from {reads.obj.path}")
+                if item.type is byte_io:
+                    reads.as_bytes.setdefault(key, []).append(item)
+                    continue
+                # The common request, a whole stored chunk, is inside it by definition; any other is checked.
+                whole = item.lengths == chunk and not any(item.storage_offsets)
+                if not whole:
+                    self._check_request(item, chunk)
+                if chunk != entry.shape:  # the stored record has the shape the metadata gives this request's chunk
+                    self._check_record(item, entry, chunk, reads.obj.path)
+                copied = reads.copied
+                pieces = copied.get(key)
+                if pieces is not None:
+                    pieces.append((item, None))
+                    continue
+                earlier = reads.direct.pop(key, None)
+                if earlier is not None:  # the chunk is asked for twice: both go through a copy
+                    copied[key] = [earlier, (item, None)]
+                    continue
+                if whole:
+                    target = _destination(planner, item)
+                    if dtype_name(target.dtype) == entry.dtype:
+                        reads.direct[key] = (item, target)
+                    else:
+                        copied[key] = [(item, target)]
                 else:
-                    copied[key] = [(item, target)]
-            else:
-                copied[key] = [(item, None)]
+                    copied[key] = [(item, None)]
+            for reads in objects.values():
+                self._read_items(reads, planner)
+        future: torch.futures.Future[None] = torch.futures.Future()
+        future.set_result(None)
+        return future
+
+    def _open(self, opened: contextlib.ExitStack, commit: CommitRecord, name: str) -> "_ObjectReads":
+        record = next((o for o in commit.objects if o.name == name), None)
+        if record is None:
+            raise CorruptCheckpointError(f"object {name} is not listed in the commit record of step {self.step}")
+        return _ObjectReads(opened.enter_context(open_object(str(self.layout.object_path(commit.step, name)), record)))
+
+    def _read_items(self, reads: "_ObjectReads", planner: LoadPlanner) -> None:
+        """Read one object's items, sorted by read_data: whole chunks in place, parts through a copy."""
+        obj, direct, copied, as_bytes = reads.obj, reads.direct, reads.copied, reads.as_bytes
         loaded = read_object(obj, into={key: target for key, (_, target) in direct.items()},
                              keys=[*copied, *as_bytes], threads=self.threads)
         for item, target in direct.values():
@@ -247,6 +283,19 @@ class MemoryStorageReader(StorageReader):
                 f"elements but the DCP metadata of version {self.step} says {list(chunk or [])}. Load another "
                 "version, or the durable checkpoint."
             )
+
+
+class _ObjectReads:
+    """What read_data reads from one open object, by record key."""
+
+    __slots__ = ("obj", "entries", "direct", "copied", "as_bytes")
+
+    def __init__(self, obj: OpenObject) -> None:
+        self.obj = obj
+        self.entries = {e.key: e for e in obj.entries}
+        self.direct: dict[str, tuple[ReadItem, torch.Tensor]] = {}  # record key -> (its one item, its destination)
+        self.copied: dict[str, list[tuple[ReadItem, torch.Tensor | None]]] = {}  # items, destinations resolved or not
+        self.as_bytes: dict[str, list[ReadItem]] = {}
 
 
 def _destination(planner: LoadPlanner, item: ReadItem) -> torch.Tensor:

@@ -29,7 +29,7 @@ from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.saver import CheckpointSaver
 from ml_flashpoint_nemo.core.version_files import FILES_KEY, describe_bytes, describe_files
 from ml_flashpoint_nemo.core.versions import retire_superseded, retire_version, write_commit, write_file_atomically
-from ml_flashpoint_nemo.dcp.metadata_file import encode_metadata
+from ml_flashpoint_nemo.dcp.metadata_file import EarlyComparison, compare_early, encode_metadata
 from ml_flashpoint_nemo.dcp.staging import StagingBuffers
 from ml_flashpoint_nemo.dcp.storage_info import (
     DCP_METADATA_NAME,
@@ -79,6 +79,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         self.is_coordinator = False
         self._saver: CheckpointSaver | None = None
         self._staging = StagingBuffers()
+        self._early: EarlyComparison | None = None  # from write_data, for finish (see compare_early)
 
     # --- pickling (DCP's process executor sends the writer to another process) ---------------
 
@@ -86,6 +87,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         state = self.__dict__.copy()
         state["_saver"] = None  # buffers and the pool lock belong to the process that made them
         state["_staging"] = None
+        state["_early"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -102,6 +104,7 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
             self.step = step_of_checkpoint_id(self.layout, checkpoint_id)
             self.checkpoint_id = os.fspath(checkpoint_id)
         self.save_id = uuid.uuid4().hex
+        self._early = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if self.step is None:  # before planning, on every rank (DCP gathers the error)
@@ -144,6 +147,8 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         retire_superseded(self.layout.base_dir, keep=self.keep, rank=self.rank, pool=saver.pool,
                           world_size=dist.get_world_size() if dist.is_initialized() else None)
         flat, items = resolve_write_items(plan, planner)
+        if self.is_coordinator:  # DCP's default planner keeps the Metadata it built; compared before the copy
+            self._early = compare_early(self.layout.base_dir, getattr(planner, "metadata", None))
         future: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
         if not flat:
             # Nothing of the state is on this rank (an empty state): no object, none the commit record could list.
@@ -163,7 +168,8 @@ class MemoryStorageWriter(StorageWriter, AsyncStager):
         writes: list[RankWrite] = [result.storage_data for per_rank in results for result in per_rank]
         objects: list[ObjectRecord] = [write[1] for write in writes]
         metadata.storage_meta = self.storage_meta()  # for dcp.save's caller; the file leaves it out
-        encoded = encode_metadata(self.layout.base_dir, metadata, writes)  # also sets metadata.storage_data
+        early, self._early = self._early, None
+        encoded = encode_metadata(self.layout.base_dir, metadata, writes, early)  # also sets metadata.storage_data
         described = describe_bytes(encoded)
         version_dir = self.layout.version_dir(self.step)
         version_dir.mkdir(parents=True, exist_ok=True)
