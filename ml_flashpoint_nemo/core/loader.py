@@ -269,8 +269,8 @@ def _read_with_errors(
         if buffer is not None:
             try:
                 crcs = _core.read_buffer_into(buffer, ops, checksum, threads)
-            except (RuntimeError, IndexError) as exc:
-                # Closed meanwhile, or a row outside the buffer: the file read decides, with its own errors.
+            except (RuntimeError, IndexError, OSError) as exc:
+                # Closed meanwhile, a row outside the buffer, a failed fstat: the file read decides, with its own errors.
                 logger.debug("Reading %s from the file, not its pool buffer: %s", obj.path, exc)
             else:
                 logger.debug("Read %d records of %s from this process's pool buffer", len(crcs), obj.path)
