@@ -264,3 +264,22 @@ def test_closing_the_pool_while_loads_run_never_crashes(base_dir, debug_log):
         debug_log.clear()
     assert used_buffer > 0  # loads before each close read the buffer, those after it the file
     assert_state_equal(state, load_version(base_dir, 8))
+
+
+@pytest.mark.parametrize("gap", [0, 32, 64, 128, 256, 2048])
+def test_the_fused_copy_is_exact_where_stores_would_alias_loads(buffer, gap):
+    # (dst - src) mod 4096 in 1..256 goes through a bounce (csrc/crc32c.cpp): both ways, several chunks and a tail.
+    n = 200_000 + 13
+    dst = torch.zeros(n + 8192, dtype=torch.uint8)
+    offset = (dst.data_ptr() - buffer.address - gap) % 4096  # buffer.address + offset == dst - gap (mod 4096)
+    at = dst.data_ptr()
+    crcs = _core.read_buffer_into(buffer, array.array("Q", [offset, at, n, n]), True, 1)
+    with memoryview(buffer) as view:
+        expected = bytes(view[offset : offset + n])
+    assert bytes(dst[:n].numpy()) == expected and crcs == [_core.crc32c(expected)]
+    source = torch.randint(0, 256, (n,), dtype=torch.uint8)
+    to = (source.data_ptr() + gap - buffer.address) % 4096 + 4096
+    crcs = _core.copy_into_buffer(buffer, array.array("Q", [source.data_ptr(), to, n]), True, 1)
+    with memoryview(buffer) as view:
+        assert bytes(view[to : to + n]) == bytes(source.numpy())
+    assert crcs == [_core.crc32c(source.numpy())]
