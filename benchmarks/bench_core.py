@@ -14,10 +14,13 @@ GB/s depend on the machine. This script measures, in one run and on one tmpfs:
 - save_nocrc  the same with checksums off (gives the checksum overhead).
 - save_first  the first save of a new process that pre-faults its pool in the
               background at start (one child process per run).
-- load        load_version into pre-allocated destination tensors, checksums verified; the
-              read method is the default (auto: mapped for huge pages, pread for 4 KiB pages).
-- load_map / load_pread  the same load with FLASHPOINT_READ_METHOD forced, interleaved with
-              load in one series of rounds.
+- load        load_version into pre-allocated destination tensors, checksums verified, in the
+              process that saved: the default read method (auto) copies from the pool buffer
+              that still maps the object.
+- load_file   the same load from the object file (FLASHPOINT_READ_METHOD=file: auto's choice,
+              mapped for huge pages, pread for 4 KiB pages), as a load after a restart reads.
+- load_map / load_pread  the file load with FLASHPOINT_READ_METHOD forced; load_file, load_map
+              and load_pread are interleaved with load in one series of rounds.
 - load_nocrc  load of a version saved without checksums (gives the load checksum overhead).
 - dcp_save / dcp_load      torch.distributed.checkpoint FileSystemWriter/Reader, same tmpfs.
 - torch_save / torch_load  torch.save / torch.load, same tmpfs.
@@ -331,7 +334,8 @@ def bench_memcpy(bench: Bench) -> list[Result]:
 def bench_save_and_load(bench: Bench, dest: State, *, checksum: bool) -> tuple[Result, list[Result]]:
     """Steady-state saves into warm pool buffers, then loads of the last one into `dest`.
 
-    With checksums, the default load is interleaved with loads forced to each read method.
+    With checksums, the default load (from the pool buffer) is interleaved with loads from the
+    file, by auto's choice and forced to each read method.
     """
     suffix = "" if checksum else "_nocrc"
     base = bench.fresh_dir(f"save{suffix}")
@@ -351,7 +355,7 @@ def bench_save_and_load(bench: Bench, dest: State, *, checksum: bool) -> tuple[R
             last_step = next(steps) - 1
             methods = {f"load{suffix}": None}
             if checksum:
-                methods.update(load_map="map", load_pread="pread")
+                methods.update(load_file="file", load_map="map", load_pread="pread")
             loads = medians_interleaved(bench.runs, bench.nbytes, **{
                 name: timed(functools.partial(_load_with, method, base, last_step, dest, bench.threads),
                             setup=lambda: zero_(dest))
@@ -359,7 +363,8 @@ def bench_save_and_load(bench: Bench, dest: State, *, checksum: bool) -> tuple[R
             })
             picked = _read_method_picked(base, last_step)
             for loaded, method in zip(loads, methods.values()):
-                loaded.extra.update(threads=bench.threads, checksum=checksum, read_method=method or f"auto ({picked})",
+                how = {None: "auto (pool buffer)", "file": f"file (auto: {picked})"}.get(method, method)
+                loaded.extra.update(threads=bench.threads, checksum=checksum, read_method=how,
                                     destination="pre-allocated, touched tensors")
             check_equal(dest, bench.state, f"load{suffix}")
         return saved, loads

@@ -181,6 +181,12 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("path", &ShmBuffer::path)
       .def_property_readonly("writable", &ShmBuffer::writable)
       .def_property_readonly("closed", &ShmBuffer::closed)
+      .def_property_readonly("fd",
+                             [](ShmBuffer& self) {
+                               std::shared_lock<std::shared_mutex> guard(self.mapping_lock());
+                               return self.closed() ? -1 : self.fd();
+                             },
+                             "The descriptor of the mapped file (e.g. for os.fstat), -1 once closed.")
       .def_property_readonly("address", [](const ShmBuffer& self) { return reinterpret_cast<uintptr_t>(self.data()); })
       .def("__repr__", [](const ShmBuffer& self) {
         return "<ShmBuffer " + self.path() + " size=" + std::to_string(self.size()) +
@@ -212,6 +218,17 @@ PYBIND11_MODULE(_core, m) {
       "CRC32C per op. A row whose nbytes exceeds dst_capacity (the destination's own size) raises IndexError\n"
       "before any byte is read; a file shorter than a row, or one truncated during the read, raises\n"
       "ShortReadError. method: 'auto' (maps files whose pages are huge, preads others), 'map' or 'pread'.");
+  m.def(
+      "read_buffer_into",
+      [](ShmBuffer& buffer, const py::buffer& ops, bool checksum, int threads) {
+        auto parsed = ops_from_buffer<FileToMemOp, 4>(ops);
+        py::gil_scoped_release release;
+        return read_buffer_into(buffer, parsed, checksum, threads);
+      },
+      py::arg("buffer"), py::arg("ops"), py::arg("checksum") = true, py::arg("threads") = 1,
+      "read_file_into from the file's mapping in buffer: rows (offset, dst_address, nbytes, dst_capacity), one\n"
+      "CRC32C per op. Every row is checked against its destination and the buffer (IndexError) before any byte\n"
+      "moves; a closed buffer raises RuntimeError, a file truncated below a row ShortReadError.");
   m.def(
       "checksum_file_ranges",
       [](int fd, const py::buffer& ops, int threads, const std::string& method) {

@@ -21,9 +21,11 @@
 // it, so the crc32 instruction finishes it and continues with the tail.
 #include "crc32c.hpp"
 
+#include <algorithm>
 #include <array>
 #include <cstring>
 #include <stdexcept>
+#include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <cpuid.h>
@@ -471,11 +473,19 @@ size_t head_until_aligned(const uint8_t* dst, size_t n) {
 }
 #endif
 
-}  // namespace
+// A load waits for an earlier store whose address has the same low 12 bits (4K aliasing). When dst
+// lies just past src modulo 4 KiB, every load of the fused loops below hits a pending
+// non-temporal store: 10-15x slower (measured with sse4.2, (dst - src) mod 4096 from 32 to 128;
+// fine from 192). Such copies go through a cache-sized bounce 2 KiB away from both.
+constexpr size_t kAliasWindow = 256;
+constexpr size_t kAliasBounce = size_t(64) << 10;
 
-uint32_t crc32c_copy(void* dst_void, const void* src_void, size_t n, uint32_t crc) {
-  auto* dst = static_cast<uint8_t*>(dst_void);
-  const auto* src = static_cast<const uint8_t*>(src_void);
+bool stores_alias_loads(const uint8_t* dst, const uint8_t* src) {
+  const size_t gap = (reinterpret_cast<uintptr_t>(dst) - reinterpret_cast<uintptr_t>(src)) & 4095;
+  return gap != 0 && gap <= kAliasWindow;
+}
+
+uint32_t crc32c_copy_direct(uint8_t* dst, const uint8_t* src, size_t n, uint32_t crc) {
 #if FLASHPOINT_X86
   if (n >= kStreamMin && can_fold_copy()) {
     const size_t misalign = reinterpret_cast<uintptr_t>(dst) & 63;
@@ -503,6 +513,24 @@ uint32_t crc32c_copy(void* dst_void, const void* src_void, size_t n, uint32_t cr
 #endif
   std::memcpy(dst, src, n);
   return crc32c(dst, n, crc);
+}
+
+}  // namespace
+
+uint32_t crc32c_copy(void* dst_void, const void* src_void, size_t n, uint32_t crc) {
+  auto* dst = static_cast<uint8_t*>(dst_void);
+  const auto* src = static_cast<const uint8_t*>(src_void);
+  if (n < kStreamMin || !stores_alias_loads(dst, src)) return crc32c_copy_direct(dst, src, n, crc);
+  thread_local std::vector<uint8_t> bounce(kAliasBounce + 4096);
+  // (bounce - src) mod 4096 == 2048, so (dst - bounce) mod 4096 is 2 KiB past the window too.
+  const uintptr_t start = reinterpret_cast<uintptr_t>(bounce.data());
+  uint8_t* staged = bounce.data() + ((reinterpret_cast<uintptr_t>(src) + 2048 - start) & 4095);
+  for (size_t done = 0; done < n; done += kAliasBounce) {  // whole 4 KiB steps: the gaps stay
+    const size_t m = std::min(kAliasBounce, n - done);
+    std::memcpy(staged, src + done, m);
+    crc = crc32c_copy_direct(dst + done, staged, m, crc);
+  }
+  return crc;
 }
 
 void copy_streaming(void* dst_void, const void* src_void, size_t n) {

@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <mutex>
+#include <shared_mutex>
 #include <stdexcept>
 
 #include "crc32c.hpp"
@@ -120,13 +122,34 @@ void run_copy_job(void* arg) {
   }
 }
 
-// Copies (dst != nullptr) or checksums [offset, +n) of a mapped file; throws if the file shrank.
-// The copy faults the pages in as it goes: the map path is taken for huge pages, one fault per
-// 2 MiB, where populating them first (MADV_POPULATE_READ) saves nothing (measured).
-uint32_t copy_mapped(const FileView& file, uint64_t offset, uint64_t n, uint8_t* dst, bool checksum) {
-  CopyJob job{dst, file.data() + offset, n, checksum, 0};
+// Copies (dst != nullptr) or checksums [offset, +n) of a file mapped at `base`; throws if the file
+// shrank. The copy faults the pages in as it goes: the map path is taken for huge pages, one fault
+// per 2 MiB, where populating them first (MADV_POPULATE_READ) saves nothing (measured); a pool
+// buffer's pages are mapped already.
+uint32_t copy_mapped(const uint8_t* base, uint64_t offset, uint64_t n, uint8_t* dst, bool checksum) {
+  CopyJob job{dst, base + offset, n, checksum, 0};
   if (!run_guarded(job.src, n, run_copy_job, &job)) throw_shrunk(offset, n);
   return job.crc;
+}
+
+// Every op copied from the file mapped at `base` (ranges checked by the caller), guarded.
+std::vector<uint32_t> copy_ops_mapped(const uint8_t* base, const std::vector<FileToMemOp>& ops, bool checksum,
+                                      int threads) {
+  install_fault_guard();
+  return run_pieces(lengths_of(ops), threads, [&](const Piece& p) {
+    const auto& op = ops[p.op];
+    return copy_mapped(base, op.file_offset + p.offset, p.nbytes,
+                       reinterpret_cast<uint8_t*>(op.dst_address) + p.offset, checksum);
+  });
+}
+
+void check_capacities(const std::vector<FileToMemOp>& ops) {
+  for (const auto& op : ops) {
+    if (op.nbytes > op.dst_capacity)
+      throw std::out_of_range("a read of " + std::to_string(op.nbytes) + " bytes at file offset " +
+                              std::to_string(op.file_offset) + " overruns its destination of " +
+                              std::to_string(op.dst_capacity) + " bytes");
+  }
 }
 
 // One pread per cache-sized chunk into this thread's bounce buffer, then the fused copy + CRC32C
@@ -191,23 +214,11 @@ ReadMethod choose_read_method(int fd, uint64_t offset, uint64_t nbytes) {
 
 std::vector<uint32_t> read_file_into(int fd, const std::vector<FileToMemOp>& ops, bool checksum, int threads,
                                      ReadMethod method) {
-  for (const auto& op : ops) {
-    if (op.nbytes > op.dst_capacity)
-      throw std::out_of_range("a read of " + std::to_string(op.nbytes) + " bytes at file offset " +
-                              std::to_string(op.file_offset) + " overruns its destination of " +
-                              std::to_string(op.dst_capacity) + " bytes");
-  }
+  check_capacities(ops);
   const auto probe = probe_range(ops, [](const FileToMemOp& op) { return op.file_offset; });
   const FileView file(fd, method, probe.first, probe.second);
   for (const auto& op : ops) file.check_range(op.file_offset, op.nbytes);
-  if (file.mapped()) {
-    install_fault_guard();
-    return run_pieces(lengths_of(ops), threads, [&](const Piece& p) {
-      const auto& op = ops[p.op];
-      return copy_mapped(file, op.file_offset + p.offset, p.nbytes,
-                         reinterpret_cast<uint8_t*>(op.dst_address) + p.offset, checksum);
-    });
-  }
+  if (file.mapped()) return copy_ops_mapped(file.data(), ops, checksum, threads);
   return run_pieces(lengths_of(ops), threads, [&](const Piece& p) {
     const auto& op = ops[p.op];
     uint8_t* dst = reinterpret_cast<uint8_t*>(op.dst_address) + p.offset;
@@ -224,11 +235,29 @@ std::vector<uint32_t> checksum_file_ranges(int fd, const std::vector<RangeOp>& o
   if (file.mapped()) {
     install_fault_guard();
     return run_pieces(lengths_of(ops), threads, [&](const Piece& p) {
-      return copy_mapped(file, ops[p.op].offset + p.offset, p.nbytes, nullptr, true);
+      return copy_mapped(file.data(), ops[p.op].offset + p.offset, p.nbytes, nullptr, true);
     });
   }
   return run_pieces(lengths_of(ops), threads,
                     [&](const Piece& p) { return pread_checksum(fd, ops[p.op].offset + p.offset, p.nbytes); });
+}
+
+std::vector<uint32_t> read_buffer_into(ShmBuffer& buffer, const std::vector<FileToMemOp>& ops, bool checksum,
+                                       int threads) {
+  std::shared_lock<std::shared_mutex> guard(buffer.mapping_lock());
+  buffer.check_open();
+  check_capacities(ops);
+  const uint64_t size = buffer.size();
+  for (const auto& op : ops) {
+    if (op.file_offset > size || op.nbytes > size - op.file_offset)
+      throw std::out_of_range("a read of " + std::to_string(op.nbytes) + " bytes at offset " +
+                              std::to_string(op.file_offset) + " overruns buffer " + buffer.path() + " of " +
+                              std::to_string(size) + " bytes");
+  }
+  // The mapping may outlast the file's end (truncated by someone else): the same check as a file read.
+  const FileView file(buffer.fd(), ReadMethod::kPread, 0, 0);
+  for (const auto& op : ops) file.check_range(op.file_offset, op.nbytes);
+  return copy_ops_mapped(buffer.data(), ops, checksum, threads);
 }
 
 }  // namespace flashpoint

@@ -10,6 +10,8 @@
 //   the destination and checksummed from cache). Used for 4 KiB pages, where mapping a file costs
 //   a page fault per 16 pages and a page-table entry per page, more than the kernel's own per-page
 //   work in pread: measured in docs/performance.md ("Core").
+// A file this process already holds mapped and populated (a pool buffer it saved) is copied from
+// that mapping instead, the kMap copy without the per-page cost: read_buffer_into.
 #pragma once
 
 #include <cstdint>
@@ -17,6 +19,7 @@
 #include <vector>
 
 #include "pieces.hpp"
+#include "shm_buffer.hpp"
 
 namespace flashpoint {
 
@@ -41,6 +44,14 @@ struct FileToMemOp {
 // the copy; the destinations then hold undefined data.
 std::vector<uint32_t> read_file_into(int fd, const std::vector<FileToMemOp>& ops, bool checksum, int threads,
                                      ReadMethod method = ReadMethod::kAuto);
+
+// read_file_into from a buffer that maps the file (ops' file_offset is the buffer offset), while
+// it stays mapped: the buffer's mapping lock is held shared for the whole call. A loaded object's
+// pool buffer is mapped and populated already, so this copy pays no per-page kernel work. Throws
+// std::out_of_range (before any byte moves) when an op overruns its destination or the buffer,
+// std::runtime_error when the buffer is closed, ShortReadError as read_file_into.
+std::vector<uint32_t> read_buffer_into(ShmBuffer& buffer, const std::vector<FileToMemOp>& ops, bool checksum,
+                                       int threads);
 
 // CRC32C of each range of the file; same errors as read_file_into.
 std::vector<uint32_t> checksum_file_ranges(int fd, const std::vector<RangeOp>& ops, int threads,

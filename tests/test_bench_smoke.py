@@ -9,7 +9,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 REQUIRED = {
-    "memcpy", "copy_limit", "save_warm", "save_nocrc", "save_first", "load",
+    "memcpy", "copy_limit", "save_warm", "save_nocrc", "save_first", "load", "load_file",
     "dcp_save", "dcp_load", "torch_save", "torch_load",
 }
 

@@ -1,9 +1,12 @@
-"""Reading versions back: straight from the object file into the destination, verified on the way.
+"""Reading versions back: straight from the object into the destination, verified on the way.
 
-Data goes from the object file straight into the destination tensor's own
-memory, each 64 bytes folded into the CRC32C on the way: copied from a mapping
-of the file where its pages are huge, pread through a cache-sized buffer where
-they are not (csrc/file_reads.hpp; FLASHPOINT_READ_METHOD overrides the choice).
+Data goes from the object straight into the destination tensor's own memory,
+each 64 bytes folded into the CRC32C on the way. Where this process saved the
+object and still holds its pool buffer (core/pool.py), it is copied from that
+mapping, whose pages are populated already; otherwise from the object file:
+copied from a mapping of the file where its pages are huge, pread through a
+cache-sized buffer where they are not (csrc/file_reads.hpp;
+FLASHPOINT_READ_METHOD overrides the choice, and any value but auto reads the file).
 A file truncated during the read raises CorruptCheckpointError, never a SIGBUS.
 Nothing is returned unless every checksum matched: a mismatch raises
 ChecksumError naming the object and the key.
@@ -31,7 +34,8 @@ from ml_flashpoint_nemo.core.format import (
     validate_index,
 )
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
-from ml_flashpoint_nemo.core.tuning import default_copy_threads, read_method
+from ml_flashpoint_nemo.core.pool import find_placed_buffer
+from ml_flashpoint_nemo.core.tuning import default_copy_threads, read_method, reads_pool_mappings
 from ml_flashpoint_nemo.core.values import BytesLike, dtype_from_name, dtype_name
 from ml_flashpoint_nemo.core.version_files import check_version_files
 from ml_flashpoint_nemo.core.versions import committed_steps, read_commit
@@ -178,10 +182,11 @@ def read_object(
         if entry.nbytes:
             ops.extend((entry.offset, target.data_ptr(), entry.nbytes, target.numel() * target.element_size()))
             op_entries.append(entry)
+    buffer = _pool_buffer_of(obj) if op_entries else None
     if staged:  # GPU (or non-contiguous) destinations
-        _read_and_upload(obj, ops, op_entries, staged, threads)
+        _read_and_upload(obj, ops, op_entries, staged, threads, buffer)
         return result
-    crcs = _read_with_errors(obj, ops, threads)
+    crcs = _read_with_errors(obj, ops, threads, buffer)
     for entry, crc in zip(op_entries, crcs):
         _check_crc(obj, entry, crc)
     for target, destination in staged:
@@ -200,6 +205,7 @@ def _read_and_upload(
     op_entries: list[IndexEntry],
     staged: list[tuple[torch.Tensor, torch.Tensor]],
     threads: int,
+    buffer: _core.ShmBuffer | None = None,
 ) -> None:
     """Read (and verify) the records in batches; after each, start the uploads of its staged tensors.
 
@@ -217,7 +223,7 @@ def _read_and_upload(
             while end < len(op_entries) and (end == start or nbytes < UPLOAD_BATCH_NBYTES):
                 nbytes += op_entries[end].nbytes
                 end += 1
-            crcs = _read_with_errors(obj, ops[4 * start : 4 * end], threads)
+            crcs = _read_with_errors(obj, ops[4 * start : 4 * end], threads, buffer)
             for entry, crc in zip(op_entries[start:end], crcs):
                 _check_crc(obj, entry, crc)
             for op in range(start, end):
@@ -232,9 +238,44 @@ def _read_and_upload(
             torch.cuda.current_stream(device).synchronize()
 
 
-def _read_with_errors(obj: OpenObject, ops: array.array, threads: int) -> list[int]:
+def _pool_buffer_of(obj: OpenObject) -> _core.ShmBuffer | None:
+    """This process's pool buffer that maps the very file obj has open, or None: then the file is read.
+
+    The same (st_dev, st_ino) is the same file, so the shared mapping holds exactly the bytes a
+    read of obj.fd would. A buffer closed meanwhile is harmless: read_buffer_into refuses it
+    (even if its old descriptor number was reused) and the read falls back to the file.
+    """
+    if not reads_pool_mappings():
+        return None
+    buffer = find_placed_buffer(obj.path)
+    if buffer is None:
+        return None
     try:
-        return _core.read_file_into(obj.fd, ops, obj.header.has_data_crc, threads, read_method())
+        opened = os.fstat(obj.fd)
+        mapped = os.fstat(buffer.fd)  # -1 once closed: EBADF
+    except OSError:
+        return None
+    if (opened.st_dev, opened.st_ino) != (mapped.st_dev, mapped.st_ino) or buffer.size < obj.header.object_nbytes:
+        return None
+    return buffer
+
+
+def _read_with_errors(
+    obj: OpenObject, ops: array.array, threads: int, buffer: _core.ShmBuffer | None = None
+) -> list[int]:
+    """Read the ops from buffer (see _pool_buffer_of) if given and still open, else from the file."""
+    checksum = obj.header.has_data_crc
+    try:
+        if buffer is not None:
+            try:
+                crcs = _core.read_buffer_into(buffer, ops, checksum, threads)
+            except (RuntimeError, IndexError, OSError) as exc:
+                # Closed meanwhile, a row outside the buffer, a failed fstat: the file read decides, with its own errors.
+                logger.debug("Reading %s from the file, not its pool buffer: %s", obj.path, exc)
+            else:
+                logger.debug("Read %d records of %s from this process's pool buffer", len(crcs), obj.path)
+                return crcs
+        return _core.read_file_into(obj.fd, ops, checksum, threads, read_method())
     except EOFError as exc:
         raise CorruptCheckpointError(f"object {obj.path} is truncated ({exc}). {CORRUPT_ADVICE}") from exc
 

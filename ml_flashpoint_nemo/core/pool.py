@@ -11,6 +11,11 @@ The pool only ever hands out files from its own directory. Objects of committed
 versions live in version directories and come back only through ``recycle``,
 which callers use for retired versions alone; so neither a restart nor a save
 can overwrite the newest committed version.
+
+While an object is placed, its buffer also serves loads in this process:
+find_placed_buffer hands the loader the mapping, already populated, so a load
+right after a save copies from it without the per-page kernel work of reading
+the file (docs/performance.md, "Core").
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import fcntl
 import logging
 import os
 import threading
+import weakref
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -53,6 +59,26 @@ def raise_if_out_of_space(exc: OSError, what: str) -> None:
         ) from exc
 
 
+# The open pools of this process, for find_placed_buffer; a pool leaves on close (or when collected).
+_live_pools: "weakref.WeakSet[BufferPool]" = weakref.WeakSet()
+_live_pools_lock = threading.Lock()
+
+
+def find_placed_buffer(object_path: str | os.PathLike[str]) -> _core.ShmBuffer | None:
+    """The buffer an open pool of this process placed at object_path, or None.
+
+    Only a hint: the file at that path may have been replaced since, and the buffer may
+    be closed at any moment. Callers check that it maps the file they opened.
+    """
+    with _live_pools_lock:
+        pools = list(_live_pools)
+    for pool in pools:
+        buffer = pool.placed_buffer(object_path)
+        if buffer is not None:
+            return buffer
+    return None
+
+
 class BufferPool:
     """Tmpfs buffers of one rank: adopted after a restart, pre-faulted in the background, reused."""
 
@@ -73,6 +99,8 @@ class BufferPool:
         self._closed = False
         self._adopt_free_buffers()
         lifecycle.register(self, BufferPool.close, f"buffer pool {self.directory}")
+        with _live_pools_lock:
+            _live_pools.add(self)
 
     def _take_lock(self) -> int:
         fd = os.open(self.directory / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -203,6 +231,11 @@ class BufferPool:
         with self._mutex:
             self._placed[existing] = buffer
 
+    def placed_buffer(self, object_path: str | os.PathLike[str]) -> _core.ShmBuffer | None:
+        """The buffer placed at object_path and not yet recycled or forgotten, or None (also once closed)."""
+        with self._mutex:
+            return self._placed.get(os.fspath(object_path))
+
     def recycle(self, object_path: Path) -> None:
         """Take back the file of an object whose version is retired; its pages stay for the next save."""
         key = str(object_path)
@@ -258,6 +291,8 @@ class BufferPool:
             self._closed = True
             buffers = self._free + list(self._placed.values())
             self._free, self._placed = [], {}
+        with _live_pools_lock:
+            _live_pools.discard(self)
         lifecycle.unregister(self)
         for buffer in buffers:
             self._close(buffer)

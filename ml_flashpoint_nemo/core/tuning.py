@@ -9,7 +9,7 @@ import os
 logger = logging.getLogger(__name__)
 
 MAX_DEFAULT_THREADS = 8
-READ_METHODS = ("auto", "map", "pread")
+READ_METHODS = ("auto", "file", "map", "pread")
 
 
 def default_copy_threads() -> int:
@@ -23,13 +23,7 @@ def default_copy_threads() -> int:
     return max(1, min(MAX_DEFAULT_THREADS, len(os.sched_getaffinity(0))))
 
 
-def read_method() -> str:
-    """How loads read object files: "auto" (the default), "map" or "pread".
-
-    auto maps files whose pages are huge (cheap to map) and preads the others;
-    FLASHPOINT_READ_METHOD overrides it, e.g. pread to never map an object file (a
-    mapped read takes a SIGBUS handler to survive a file truncated under it).
-    """
+def _configured_read_method() -> str:
     configured = os.environ.get("FLASHPOINT_READ_METHOD", "auto").strip().lower() or "auto"
     if configured not in READ_METHODS:
         # Not an error: loads run between collectives, where one rank must not fail alone.
@@ -37,6 +31,27 @@ def read_method() -> str:
                    "Fix or unset the variable.")
         return "auto"
     return configured
+
+
+def read_method() -> str:
+    """How loads read object files: "auto" (the default), "map" or "pread" (the extension's names).
+
+    auto maps files whose pages are huge (cheap to map) and preads the others;
+    FLASHPOINT_READ_METHOD overrides it, e.g. pread to never map an object file (a
+    mapped read takes a SIGBUS handler to survive a file truncated under it).
+    FLASHPOINT_READ_METHOD=file reads files as auto does (see reads_pool_mappings).
+    """
+    configured = _configured_read_method()
+    return "auto" if configured == "file" else configured
+
+
+def reads_pool_mappings() -> bool:
+    """Whether a load may copy from this process's pool buffer of the object instead of its file.
+
+    Only with FLASHPOINT_READ_METHOD=auto (the default): file, map and pread always read
+    the object file.
+    """
+    return _configured_read_method() == "auto"
 
 
 @functools.lru_cache(maxsize=None)
