@@ -265,6 +265,12 @@ def main() -> None:
         entry: dict[str, Any] = {"iteration": iteration, "losses": []}
         iterations.append(entry)
         prefix_store = dist.PrefixStore(f"iteration-{iteration}", store)
+        # The snapshot waits (up to RELEASE_WAIT_S) for this rank's aborted trainer to be freed, which can take
+        # seconds on one rank and none on the other. Without this barrier the faster rank reaches the process group's
+        # rendezvous first and gives up after the gloo timeout (20 s) while its peer is still in the snapshot.
+        prefix_store.set(f"snapshot-taken-{rank}", "1")
+        prefix_store.wait([f"snapshot-taken-{peer}" for peer in range(world_size)],
+                          datetime.timedelta(seconds=RELEASE_WAIT_S + 60))
 
         def make_trainer_for_this_iteration(*positional: Any, callbacks: Any = None, **options: Any) -> Any:
             trainer = make_trainer(*positional, callbacks=[*(callbacks or []), Record(entry), Fault(iteration)],
