@@ -574,7 +574,7 @@ def test_lookup_table_is_reused_only_for_the_same_metadata_bytes(base_dir, monke
     # An entry under the file's (size, CRC32C) but of other bytes (a forged CRC) is not used
     described = read_commit(CheckpointLayout(base_dir), 1).metadata[FILES_KEY][".metadata"]
     key = (described["nbytes"], described["crc32c"])
-    reader_module._TABLES[key] = (b"\0" * described["nbytes"], {})
+    reader_module._TABLES[key] = reader_module._Decoded(b"\0" * described["nbytes"], {})
     load_and_check(second)
     assert checks == [1, 1, 1]
     load_and_check(second)
@@ -587,6 +587,49 @@ def test_lookup_table_is_reused_only_for_the_same_metadata_bytes(base_dir, monke
     returned.storage_data = {index: ("rank-00099-0.fpo", "nothing") for index in returned.storage_data}
     load_and_check(second)
     assert checks == [1, 1, 1]
+
+
+def test_repeated_loads_of_the_same_metadata_bytes_each_get_a_metadata_of_their_own(base_dir, monkeypatch):
+    """From the third load of the same `.metadata` bytes the reader decodes a kept copy of the Metadata less its
+    storage_data: each load still gets the saved Metadata, and what a caller (or a planner) changes in one never
+    reaches the next."""
+    from collections import OrderedDict
+
+    from ml_flashpoint_nemo.dcp import reader as reader_module
+
+    monkeypatch.setattr(reader_module, "_TABLES", OrderedDict())
+    state = {"w": torch.randn(4, 3), "b": torch.randn(3), "blob": b"bytes"}
+    writer = MemoryStorageWriter(base_dir)
+    dcp_without_process_group(lambda: dcp.save(state, checkpoint_id=base_dir / "step-1", storage_writer=writer))
+    writer.close()
+    saved = pickle.loads((base_dir / "step-1" / ".metadata").read_bytes())
+
+    def read() -> Any:
+        reader = MemoryStorageReader(base_dir)
+        reader.reset(base_dir / "step-1")
+        return reader.read_metadata()
+
+    returned = [read() for _ in range(4)]
+    assert all(r.state_dict_metadata == saved.state_dict_metadata and r.storage_data == saved.storage_data
+               for r in returned)
+    assert len({r.storage_meta.load_id for r in returned}) == 4
+    assert len({id(r) for r in returned}) == 4 and len({id(r.state_dict_metadata["w"]) for r in returned}) == 4
+    kept = next(iter(reader_module._TABLES.values()))
+    assert kept.rest is not None, "the second load keeps the decoded parts"
+
+    # A caller changes everything it can reach in the third and fourth Metadata
+    for r in returned[2:]:
+        r.state_dict_metadata["w"].chunks[0].sizes = torch.Size([1, 1])
+        r.state_dict_metadata["w"].size = torch.Size([1, 1])
+        r.storage_data.clear()
+        r.planner_data = {"changed": True}
+    again = read()
+    assert again.state_dict_metadata == saved.state_dict_metadata and again.storage_data == saved.storage_data
+    assert again.planner_data == saved.planner_data
+    dest = {"w": torch.zeros(4, 3), "b": torch.zeros(3), "blob": b""}
+    dcp_without_process_group(lambda: dcp.load(dest, checkpoint_id=base_dir / "step-1",
+                                               storage_reader=MemoryStorageReader(base_dir)))
+    assert torch.equal(dest["w"], state["w"]) and torch.equal(dest["b"], state["b"]) and dest["blob"] == b"bytes"
 
 
 def test_metadata_file_writes_equal_sizes_once_and_decodes_to_the_saved_metadata(base_dir):

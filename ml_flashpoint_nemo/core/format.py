@@ -172,8 +172,8 @@ def decode_index(raw: bytes, path: str) -> list[IndexEntry]:
         raise CorruptCheckpointError(f"index of {path} is malformed ({exc}); the object is unusable") from exc
 
 
-def validate_index(header: "ObjectHeader", entries: Sequence[IndexEntry], path: str) -> None:
-    """Refuse an index that is not exactly what a v1 writer produces, before any data is read.
+def validate_index(header: "ObjectHeader", entries: Sequence[IndexEntry], path: str) -> dict[str, IndexEntry]:
+    """Refuse an index that is not exactly what a v1 writer produces, before any data is read; return it by key.
 
     A CRC only proves that the bytes are the ones written, not that the writer (or a peer that
     pushed the object) described them truthfully. Each record must hold exactly its tensor's bytes,
@@ -185,11 +185,11 @@ def validate_index(header: "ObjectHeader", entries: Sequence[IndexEntry], path: 
             f"{path}: the header counts {header.record_count} records, the index holds {len(entries)}. "
             + CORRUPT_ADVICE
         )
-    keys: set[str] = set()
+    by_key: dict[str, IndexEntry] = {}
     for entry in entries:
-        if entry.key in keys:
+        if entry.key in by_key:
             raise CorruptCheckpointError(f"{path} holds key {entry.key!r} twice. " + CORRUPT_ADVICE)
-        keys.add(entry.key)
+        by_key[entry.key] = entry
         problem = _record_problem(entry, header)
         if problem:
             raise CorruptCheckpointError(f"record {entry.key!r} of {path} {problem}. " + CORRUPT_ADVICE)
@@ -197,6 +197,7 @@ def validate_index(header: "ObjectHeader", entries: Sequence[IndexEntry], path: 
         padding_ranges(entries, header.index_offset)
     except ValueError as exc:
         raise CorruptCheckpointError(f"{path} has an impossible layout: {exc}. " + CORRUPT_ADVICE) from None
+    return by_key
 
 
 CORRUPT_ADVICE = "Load an older version or the durable checkpoint."

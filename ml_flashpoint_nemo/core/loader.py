@@ -58,6 +58,7 @@ class OpenObject:
     fd: int
     header: ObjectHeader
     entries: list[IndexEntry]
+    by_key: dict[str, IndexEntry]  # the same entries by record key (keys are unique: validate_index)
 
 
 @contextmanager
@@ -94,8 +95,8 @@ def open_object(path: str, record: ObjectRecord) -> Iterator[OpenObject]:
                 f"{record.rank}. {CORRUPT_ADVICE}"
             )
         entries = decode_index(index_bytes, path)
-        validate_index(header, entries, path)
-        yield OpenObject(path, fd, header, entries)
+        by_key = validate_index(header, entries, path)
+        yield OpenObject(path, fd, header, entries, by_key)
     finally:
         os.close(fd)
 
@@ -144,7 +145,7 @@ def read_object(
     Bytes records always come back as new bytes (a bytes placeholder in `into` is allowed).
     """
     threads = threads or default_copy_threads()
-    by_key = {e.key: e for e in obj.entries}
+    by_key = obj.by_key
     wanted = list(keys) if keys is not None else list(by_key)
     if into:
         already = set(wanted)
@@ -319,7 +320,7 @@ def load_version(
     remaining_into = dict(into or {})
     for record in objects:
         with open_object(str(layout.object_path(step, record.name)), record) as obj:
-            present = {e.key for e in obj.entries}
+            present = obj.by_key
             part_into = {k: v for k, v in remaining_into.items() if k in present}
             part_keys = [k for k in (keys if keys is not None else present) if k in present]
             result.update(read_object(obj, into=part_into, keys=part_keys, threads=threads))

@@ -6,22 +6,25 @@ by CRC32C on the way). When the load plan asks for part of a stored chunk
 
 The lookup table built from `.metadata` (where each item is, its chunk checked) is kept per
 process for the last few `.metadata` contents, keyed by their bytes: a later load of the same
-bytes (the same version again, or one whose metadata repeats) skips the checks.
+bytes (the same version again, or one whose metadata repeats; an in-job restart) skips the
+checks, and from the third load on decodes only the part of the Metadata a caller could change.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import logging
 import os
+import pickle
 import threading
 import uuid
 from collections import OrderedDict
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
@@ -46,10 +49,33 @@ logger = logging.getLogger(__name__)
 _Location = tuple[str, str, tuple[int, ...] | None]  # object name, record key, checked chunk size (None: bytes)
 _Locations = dict[tuple[str, Any], _Location]  # keyed by (fqn, offset), what DCP's MetadataIndex compares
 
-# The checked lookup tables of the last few `.metadata` contents read in this process: (size, CRC32C) of
-# the bytes, as their commit record gives them -> the bytes and the table built from them. A hit needs the
-# same bytes, compared in full (a CRC is easily forged). Tables are never changed once built.
-_TABLES: OrderedDict[tuple[Any, Any], tuple[bytes, _Locations]] = OrderedDict()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Decoded:
+    """What one `.metadata` content decoded to, kept for later loads of the same bytes.
+
+    rest is the Metadata without storage_data, pickled again: unpickling it gives a caller a Metadata
+    of its own, and storage_data (frozen MetadataIndex keys, tuples of str) needs only a shallow copy.
+    It is filled on the second load of the same bytes, so a process that loads once pays nothing for it.
+    """
+
+    encoded: bytes
+    locations: _Locations
+    rest: bytes | None = None
+    storage_data: dict[MetadataIndex, Any] | None = None
+
+    def metadata(self) -> Metadata:
+        assert self.rest is not None and self.storage_data is not None
+        metadata: Metadata = pickle.loads(self.rest)
+        metadata.storage_data = dict(self.storage_data)
+        return metadata
+
+
+# The decoded `.metadata` contents last read in this process: (size, CRC32C) of the bytes, as their commit
+# record gives them -> what they decoded to. A hit needs the same bytes, compared in full (a CRC is easily
+# forged). Nothing in an entry is ever handed out or changed: a later load gets copies, an entry is replaced.
+_TABLES: OrderedDict[tuple[Any, Any], _Decoded] = OrderedDict()
 _TABLES_KEPT = 4
 _TABLES_LOCK = threading.Lock()
 
@@ -108,27 +134,39 @@ class MemoryStorageReader(StorageReader):
         commit = self._commit_record()
         encoded = read_checked_file(self.layout, commit, DCP_METADATA_NAME)
         step = self._current_step()  # the commit record's
-        metadata = decode_metadata(encoded, step)  # verified against the commit record first
-        # The lookup table of these bytes: built now, before anyone else holds this Metadata, when not cached
         described = commit.metadata[FILES_KEY][DCP_METADATA_NAME]  # read_checked_file checked the bytes against it
         key = (described["nbytes"], described["crc32c"])
         with _TABLES_LOCK:
             cached = _TABLES.get(key)
             if cached is not None:
                 _TABLES.move_to_end(key)
-        if cached is not None and cached[0] == encoded:
-            locations = cached[1]
-        else:
+        if cached is not None and cached.encoded == encoded:
+            if cached.rest is not None:
+                metadata = cached.metadata()
+            else:  # the second load of these bytes: keep the parts (pickled before anyone else holds metadata)
+                metadata = decode_metadata(encoded, step)
+                self._keep(key, dataclasses.replace(
+                    cached, storage_data=dict(metadata.storage_data),
+                    rest=pickle.dumps(dataclasses.replace(metadata, storage_data=None),
+                                      protocol=pickle.HIGHEST_PROTOCOL)))
+            locations = cached.locations
+        else:  # verified against the commit record first; the table is built before anyone else holds metadata
+            metadata = decode_metadata(encoded, step)
             locations = self._checked_locations(metadata)
-            with _TABLES_LOCK:
-                _TABLES[key] = (encoded, locations)
-                while len(_TABLES) > _TABLES_KEPT:
-                    _TABLES.popitem(last=False)
+            self._keep(key, _Decoded(encoded, locations))
         self._decoded = (metadata, locations)
         # not in the file (it changes every save): rebuilt from the path and the commit record
         metadata.storage_meta = StorageMeta(checkpoint_id=os.fspath(self.layout.version_dir(step)),
                                             save_id=commit.metadata.get("save_id", ""), load_id=self.load_id)
         return metadata
+
+    @staticmethod
+    def _keep(key: tuple[Any, Any], decoded: _Decoded) -> None:
+        with _TABLES_LOCK:
+            _TABLES[key] = decoded
+            _TABLES.move_to_end(key)
+            while len(_TABLES) > _TABLES_KEPT:
+                _TABLES.popitem(last=False)
 
     @without_gc
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -292,7 +330,7 @@ class _ObjectReads:
 
     def __init__(self, obj: OpenObject) -> None:
         self.obj = obj
-        self.entries = {e.key: e for e in obj.entries}
+        self.entries = obj.by_key
         self.direct: dict[str, tuple[ReadItem, torch.Tensor]] = {}  # record key -> (its one item, its destination)
         self.copied: dict[str, list[tuple[ReadItem, torch.Tensor | None]]] = {}  # items, destinations resolved or not
         self.as_bytes: dict[str, list[ReadItem]] = {}
