@@ -213,13 +213,14 @@ class MemoryStorageReader(StorageReader):
         once, verified, and copies the parts out. Nothing is read before every item is checked.
         """
         commit = self._commit_record()
-        locations = self._locations
+        location_of = self._locations.get  # ~500 items: every lookup and check here runs per item
         byte_io = LoadItemType.BYTE_IO
+        resolve = planner.resolve_tensor
         with contextlib.ExitStack() as opened:
             objects: dict[str, _ObjectReads] = {}
-            for item in plan.items:  # ~500 items: every check here runs per item
+            for item in plan.items:
                 index = item.storage_index
-                location = locations.get((index.fqn, index.offset))
+                location = location_of((index.fqn, index.offset))
                 if location is None:
                     raise CorruptCheckpointError(
                         f"{index.fqn} (offset {list(index.offset or [])}) has no storage data in version {self.step}"
@@ -250,7 +251,9 @@ class MemoryStorageReader(StorageReader):
                     copied[key] = [earlier, (item, None)]
                     continue
                 if whole:
-                    target = _destination(planner, item)
+                    target = resolve(item)
+                    if target.requires_grad:  # written in place: no autograd history (as _destination)
+                        target = target.detach()
                     if dtype_name(target.dtype) == entry.dtype:
                         reads.direct[key] = (item, target)
                     else:
