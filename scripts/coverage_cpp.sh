@@ -4,12 +4,21 @@
 #
 # Usage: bash scripts/coverage_cpp.sh [pytest arguments]   (default: the tests that drive _core)
 # With FLASHPOINT_COVERAGE_GATE=1 it fails below 85% of lines.
+# With FLASHPOINT_SANITIZE=1 the build also carries ASan + UBSan (every finding fatal), as
+# scripts/sanitize.sh's does, and the default tests are both scripts' lists: one build and one run
+# give both checks (what .ci/run does).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=.venv/bin/python
 installed=$($py -c "import ml_flashpoint_nemo._core as c; print(c.__file__)")
+sanitize=${FLASHPOINT_SANITIZE:-0}
 build=$PWD/build/coverage-cpp
-cmake -S . -B "$build" -DFLASHPOINT_COVERAGE=ON -DCMAKE_BUILD_TYPE=Debug \
+options=(-DFLASHPOINT_COVERAGE=ON)
+if [ "$sanitize" = 1 ]; then
+  build=$PWD/build/coverage-cpp-sanitize
+  options+=(-DFLASHPOINT_SANITIZE=ON)
+fi
+cmake -S . -B "$build" "${options[@]}" -DCMAKE_BUILD_TYPE=Debug \
   -DPython_EXECUTABLE="$PWD/$py" -Dpybind11_DIR="$($py -m pybind11 --cmakedir)" >/dev/null
 cmake --build "$build" -j "$(nproc)" >/dev/null
 find "$build" -name '*.gcda' -delete
@@ -20,13 +29,31 @@ cp "$installed" "$build/regular-core.so.bak"
 trap 'swap_in "$build/regular-core.so.bak"' EXIT
 swap_in "$instrumented"
 
-status=0
 if [ $# -eq 0 ]; then
   set -- tests/test_core_extension.py tests/test_transfer_service.py tests/test_hostile_objects.py \
     tests/test_roundtrip.py tests/test_peer_strings.py tests/test_transfer_authz.py tests/test_transfer_admission.py \
     tests/test_gmac.py tests/test_transfer_integrity.py
+  if [ "$sanitize" = 1 ]; then
+    set -- "$@" tests/test_fuzz_objects.py tests/test_bad_inputs.py  # sanitize.sh's list has these too
+  fi
+fi
+status=0
+if [ "$sanitize" = 1 ]; then
+  # As in sanitize.sh: the runtimes preloaded (Python is not instrumented), for the tests and their children only.
+  export LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libubsan.so)"
+  export ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:abort_on_error=1:alloc_dealloc_mismatch=0
+  export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
+  $py - "$installed" <<'PY'
+import ctypes, sys
+import ml_flashpoint_nemo._core as core
+assert core.__file__ == sys.argv[1], core.__file__
+ctypes.CDLL(None)["__asan_init"]  # the runtime is in the process
+assert b"__asan_report" in open(core.__file__, "rb").read(), "the extension is not instrumented"
+print("sanitized, gcov-instrumented _core in place:", core.__file__)
+PY
 fi
 $py -m pytest -q -p no:cacheprovider "$@" || status=$?
+unset LD_PRELOAD ASAN_OPTIONS UBSAN_OPTIONS  # gcov and the report below run plain
 objects=$(find "$build" -name '*.gcda' -printf '%h\n' | sort -u)
 $py - "$build" "${FLASHPOINT_COVERAGE_GATE:-0}" $objects <<'PY'
 import os, re, subprocess, sys
