@@ -26,7 +26,7 @@ instrumented=$(ls "$build"/_core.*.so)
 
 swap_in() { cp "$1" "$installed.swap" && mv -f "$installed.swap" "$installed"; }
 cp "$installed" "$build/regular-core.so.bak"
-trap 'swap_in "$build/regular-core.so.bak"' EXIT
+trap 'unset LD_PRELOAD ASAN_OPTIONS UBSAN_OPTIONS; swap_in "$build/regular-core.so.bak"' EXIT
 swap_in "$instrumented"
 
 if [ $# -eq 0 ]; then
@@ -41,8 +41,12 @@ status=0
 if [ "$sanitize" = 1 ]; then
   # As in sanitize.sh: the runtimes preloaded (Python is not instrumented), for the tests and their children only.
   export LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libubsan.so)"
-  export ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:abort_on_error=1:alloc_dealloc_mismatch=0
-  export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
+  # Reports go to files as well, so that a finding in a child process whose exit status a test ignores
+  # (a peer it kills, a server it stops) still fails the run below.
+  findings=$build/sanitizer-report
+  rm -f "$findings".*
+  export ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:abort_on_error=1:alloc_dealloc_mismatch=0:log_path=$findings
+  export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1:log_path=$findings
   $py - "$installed" <<'PY'
 import ctypes, sys
 import ml_flashpoint_nemo._core as core
@@ -54,6 +58,10 @@ PY
 fi
 $py -m pytest -q -p no:cacheprovider "$@" || status=$?
 unset LD_PRELOAD ASAN_OPTIONS UBSAN_OPTIONS  # gcov and the report below run plain
+if [ "$sanitize" = 1 ] && compgen -G "$findings.*" >/dev/null; then
+  echo "sanitizer findings (any process):"; cat "$findings".*
+  status=1
+fi
 objects=$(find "$build" -name '*.gcda' -printf '%h\n' | sort -u)
 $py - "$build" "${FLASHPOINT_COVERAGE_GATE:-0}" $objects <<'PY'
 import os, re, subprocess, sys

@@ -8,6 +8,7 @@ import pickle
 import re
 import subprocess
 import sys
+import types
 import warnings
 from pathlib import Path
 from typing import Any
@@ -630,6 +631,32 @@ def test_repeated_loads_of_the_same_metadata_bytes_each_get_a_metadata_of_their_
     dcp_without_process_group(lambda: dcp.load(dest, checkpoint_id=base_dir / "step-1",
                                                storage_reader=MemoryStorageReader(base_dir)))
     assert torch.equal(dest["w"], state["w"]) and torch.equal(dest["b"], state["b"]) and dest["blob"] == b"bytes"
+
+
+def test_a_metadata_that_does_not_pickle_again_is_loaded_uncached(base_dir, monkeypatch):
+    """Keeping the decoded parts needs the Metadata to pickle again; when it does not, every load decodes the
+    file itself and succeeds (only the cache is lost)."""
+    from collections import OrderedDict
+
+    from ml_flashpoint_nemo.dcp import reader as reader_module
+
+    monkeypatch.setattr(reader_module, "_TABLES", OrderedDict())
+
+    def dumps(*args: Any, **kwargs: Any) -> bytes:
+        raise TypeError("cannot pickle this Metadata here")
+
+    monkeypatch.setattr(reader_module, "pickle", types.SimpleNamespace(
+        dumps=dumps, loads=pickle.loads, HIGHEST_PROTOCOL=pickle.HIGHEST_PROTOCOL))
+    state = {"w": torch.randn(4, 3)}
+    writer = MemoryStorageWriter(base_dir)
+    dcp_without_process_group(lambda: dcp.save(state, checkpoint_id=base_dir / "step-1", storage_writer=writer))
+    writer.close()
+    for _ in range(3):
+        dest = {"w": torch.zeros(4, 3)}
+        dcp_without_process_group(lambda: dcp.load(dest, checkpoint_id=base_dir / "step-1",
+                                                   storage_reader=MemoryStorageReader(base_dir)))
+        assert torch.equal(dest["w"], state["w"])
+    assert all(kept.rest is None for kept in reader_module._TABLES.values())
 
 
 def test_metadata_file_writes_equal_sizes_once_and_decodes_to_the_saved_metadata(base_dir):

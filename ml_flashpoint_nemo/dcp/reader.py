@@ -13,6 +13,7 @@ checks, and from the third load on decodes only the part of the Metadata a calle
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import io
 import logging
@@ -74,7 +75,8 @@ class _Decoded:
 
 # The decoded `.metadata` contents last read in this process: (size, CRC32C) of the bytes, as their commit
 # record gives them -> what they decoded to. A hit needs the same bytes, compared in full (a CRC is easily
-# forged). Nothing in an entry is ever handed out or changed: a later load gets copies, an entry is replaced.
+# forged). Entries are never changed (an entry is replaced); a load gets its own Metadata, and shares the
+# lookup table (read only) and storage_data's frozen keys and str values.
 _TABLES: OrderedDict[tuple[Any, Any], _Decoded] = OrderedDict()
 _TABLES_KEPT = 4
 _TABLES_LOCK = threading.Lock()
@@ -145,10 +147,9 @@ class MemoryStorageReader(StorageReader):
                 metadata = cached.metadata()
             else:  # the second load of these bytes: keep the parts (pickled before anyone else holds metadata)
                 metadata = decode_metadata(encoded, step)
-                self._keep(key, dataclasses.replace(
-                    cached, storage_data=dict(metadata.storage_data),
-                    rest=pickle.dumps(dataclasses.replace(metadata, storage_data=None),
-                                      protocol=pickle.HIGHEST_PROTOCOL)))
+                rest = _pickled_without_storage_data(metadata)
+                if rest is not None:
+                    self._keep(key, dataclasses.replace(cached, storage_data=dict(metadata.storage_data), rest=rest))
             locations = cached.locations
         else:  # verified against the commit record first; the table is built before anyone else holds metadata
             metadata = decode_metadata(encoded, step)
@@ -337,6 +338,18 @@ class _ObjectReads:
         self.direct: dict[str, tuple[ReadItem, torch.Tensor]] = {}  # record key -> (its one item, its destination)
         self.copied: dict[str, list[tuple[ReadItem, torch.Tensor | None]]] = {}  # items, destinations resolved or not
         self.as_bytes: dict[str, list[ReadItem]] = {}
+
+
+def _pickled_without_storage_data(metadata: Metadata) -> bytes | None:
+    """metadata less storage_data, pickled (a shallow copy keeps any attribute a Metadata gained beyond its
+    fields); None when it does not pickle here, and the load goes on uncached."""
+    rest = copy.copy(metadata)
+    rest.storage_data = None
+    try:
+        return pickle.dumps(rest, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - only the cache is lost: this load decoded the file itself
+        logger.debug("the decoded DCP metadata does not pickle again; repeated loads decode the file", exc_info=True)
+        return None
 
 
 def _destination(planner: LoadPlanner, item: ReadItem) -> torch.Tensor:
