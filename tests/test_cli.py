@@ -412,6 +412,20 @@ def test_clean_dry_run_then_keep_two_then_keep_one(cluttered_base):
     assert flashpoint("clean", base, "--keep", "0").returncode == 2
 
 
+@pytest.mark.parametrize("command", [["ls"], ["ls", "--json"], ["clean", "--dry-run"], ["clean", "--keep", "2"]])
+def test_ls_and_clean_run_without_importing_torch(cluttered_base, command):
+    """ls and clean read commit records and names only: they must not pay torch's 1-2 s import (an operator
+    runs them by hand on a node), yet act exactly as the console script does."""
+    code = ("import sys; from ml_flashpoint_nemo.cli import main; status = main(sys.argv[1:]); "
+            "print('torch imported' if 'torch' in sys.modules else 'no torch'); sys.exit(status)")
+    result = subprocess.run([sys.executable, "-c", code, command[0], str(cluttered_base), *command[1:]],
+                            capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.rstrip().endswith("no torch"), result.stdout
+    if command[0] == "clean" and "--dry-run" not in command:
+        assert sorted(p.name for p in cluttered_base.iterdir()) == ["pool", "step-3", "step-4", "step-9"]
+
+
 def test_clean_refuses_while_a_live_process_holds_a_pool_lock(cluttered_base):
     base = cluttered_base
     holder = subprocess.Popen([sys.executable, "-m", "tests.support.cli_pool_holder", str(base), "1"], cwd=REPO,

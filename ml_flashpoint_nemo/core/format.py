@@ -13,11 +13,10 @@ import os
 import re
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Literal, Sequence
+from typing import Any, Callable, Iterable, Literal, Sequence
 
 from ml_flashpoint_nemo import _core
 from ml_flashpoint_nemo.core.layout import rank_of_object, version_file_name_problem
-from ml_flashpoint_nemo.core.values import QUANTIZED_DTYPES, dtype_from_name
 from ml_flashpoint_nemo.errors import CorruptCheckpointError, FormatVersionError, UnsupportedValueError
 
 FORMAT_VERSION = 1
@@ -185,12 +184,15 @@ def validate_index(header: "ObjectHeader", entries: Sequence[IndexEntry], path: 
             f"{path}: the header counts {header.record_count} records, the index holds {len(entries)}. "
             + CORRUPT_ADVICE
         )
+    # Deferred: the dtype rules need torch, which the commit records, `flashpoint ls` and `clean` do not (1-2 s).
+    from ml_flashpoint_nemo.core.values import QUANTIZED_DTYPES, dtype_from_name
+
     by_key: dict[str, IndexEntry] = {}
     for entry in entries:
         if entry.key in by_key:
             raise CorruptCheckpointError(f"{path} holds key {entry.key!r} twice. " + CORRUPT_ADVICE)
         by_key[entry.key] = entry
-        problem = _record_problem(entry, header)
+        problem = _record_problem(entry, header, dtype_from_name, QUANTIZED_DTYPES)
         if problem:
             raise CorruptCheckpointError(f"record {entry.key!r} of {path} {problem}. " + CORRUPT_ADVICE)
     try:
@@ -203,7 +205,8 @@ def validate_index(header: "ObjectHeader", entries: Sequence[IndexEntry], path: 
 CORRUPT_ADVICE = "Load an older version or the durable checkpoint."
 
 
-def _record_problem(entry: IndexEntry, header: "ObjectHeader") -> str | None:
+def _record_problem(entry: IndexEntry, header: "ObjectHeader", dtype_from_name: Callable[[str], Any],
+                    quantized_dtypes: frozenset[Any]) -> str | None:
     """Why one record breaks the format (its size, placement or checksum field), or None."""
     if entry.kind == "bytes":
         if entry.dtype != "uint8" or entry.shape != (entry.nbytes,):
@@ -213,7 +216,7 @@ def _record_problem(entry: IndexEntry, header: "ObjectHeader") -> str | None:
             dtype = dtype_from_name(entry.dtype)
         except UnsupportedValueError as exc:
             return f"cannot be read: {exc}"
-        if dtype in QUANTIZED_DTYPES:
+        if dtype in quantized_dtypes:
             return f"has dtype {entry.dtype}, which no writer stores (its scale lives outside its bytes)"
         itemsize = dtype.itemsize
         expected = math.prod(entry.shape) * itemsize
