@@ -18,6 +18,10 @@ uint32_t receive_object(Channel& ch, TempObject& out, uint64_t size, std::vector
   uint32_t crc = 0;
   WarmMapping* map = out.map_warm_pages();
   uint64_t mapped = map ? out.mapped_bytes() : 0;  // lowered when populating stops early
+  struct DefaultLowWater {  // also when a chunk fails: whoever reads next expects the default
+    Channel& ch;
+    ~DefaultLowWater() { ch.set_receive_low_water(1); }
+  } default_low_water{ch};
   for (uint64_t start = 0; start < size;) {
     const uint64_t end = std::min<uint64_t>(size, start + kChunkBytes);
     KeyedMac& mac = ch.session().start_recv(kFrameData);
@@ -32,6 +36,8 @@ uint32_t receive_object(Channel& ch, TempObject& out, uint64_t size, std::vector
       return got;
     };
     for (uint64_t pos = start; pos < end;) {
+      // The rest of this chunk and its tag are what the peer must still send, whatever it does next.
+      ch.set_receive_low_water(static_cast<int>(std::min<uint64_t>(kReceiveLowWater, end - pos + sizeof(tag))));
       if (pos < mapped) {
         const uint64_t ready = map->wait_populated(std::min(end, mapped));
         if (ready > pos) {
@@ -45,10 +51,14 @@ uint32_t receive_object(Channel& ch, TempObject& out, uint64_t size, std::vector
       out.write_at(buf.data(), got, pos);
       pos += got;
     }
-    if (tag_got < sizeof(tag)) ch.recv_exact(tag + tag_got, sizeof(tag) - tag_got, "object data chunk");
+    if (tag_got < sizeof(tag)) {  // only the tag's rest is sure to come (the last chunk's is followed by the trailer)
+      ch.set_receive_low_water(static_cast<int>(sizeof(tag) - tag_got));
+      ch.recv_exact(tag + tag_got, sizeof(tag) - tag_got, "object data chunk");
+    }
     ch.session().verify(mac, tag, "object data chunk");
     start = end;
   }
+  ch.set_receive_low_water(1);  // the trailer and every later message are small
   check_trailer(ch, size, crc);
   return crc;
 }

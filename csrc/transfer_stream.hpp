@@ -10,6 +10,8 @@ namespace xfer {
 // One CRC + one tag + one write per chunk (stays in L2); also the unit of authentication:
 // chunk i is [i * kChunkBytes, min(size, (i + 1) * kChunkBytes)), followed by its tag.
 constexpr size_t kChunkBytes = size_t(256) << 10;
+// A receiver is woken once this many bytes are queued (or the rest of a chunk and its tag, if fewer).
+constexpr size_t kReceiveLowWater = size_t(256) << 10;
 
 // Receives size bytes into out, then the trailer; returns the CRC32C. TransferIntegrityError
 // when a tag is wrong, TransferChecksumError when the trailer disagrees.
