@@ -51,8 +51,8 @@ uint32_t receive_object(Channel& ch, TempObject& out, uint64_t size, std::vector
       out.write_at(buf.data(), got, pos);
       pos += got;
     }
-    if (tag_got < sizeof(tag)) {  // only the tag's rest is sure to come (the last chunk's is followed by the trailer)
-      ch.set_receive_low_water(static_cast<int>(sizeof(tag) - tag_got));
+    if (tag_got < sizeof(tag)) {  // a few bytes, perhaps in more than one segment: any byte wakes the receiver
+      ch.set_receive_low_water(1);
       ch.recv_exact(tag + tag_got, sizeof(tag) - tag_got, "object data chunk");
     }
     ch.session().verify(mac, tag, "object data chunk");

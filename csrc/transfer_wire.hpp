@@ -12,6 +12,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <sys/eventfd.h>
+#include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/sendfile.h>
@@ -207,14 +208,23 @@ class Channel {
     }
   }
 
-  // While bulk data arrives: a wait for input ends only once `bytes` are queued (SO_RCVLOWAT), so that a
-  // receiver faster than its peer is woken once per that many bytes, not once per TCP segment. The caller
-  // keeps it at most what the peer must still send, or the wait would last until a timeout; 1 restores the
-  // default. Queued bytes count toward the rate floor once read: at the default floor (1 MiB/s) a peer is
-  // judged at most 0.25 s late for 256 KiB. A kernel that refuses it only costs the extra wake-ups.
+  // While bulk data arrives: poll reports input only once `bytes` are queued (SO_RCVLOWAT), so that a receiver
+  // faster than its peer is woken once per that many bytes, not once per TCP segment. The caller keeps it at
+  // most what the peer must still send; 1 restores the default. Waits under a mark still wake every
+  // kLowWaterSliceMs to read whatever is queued (wait()), so timeouts and the rate floor judge a slow peer as
+  // before, and a kernel that cannot queue the mark costs speed, never a stall.
   void set_receive_low_water(int bytes) {
     if (bytes == receive_low_water_) return;
-    if (::setsockopt(fd_, SOL_SOCKET, SO_RCVLOWAT, &bytes, sizeof(bytes)) == 0) receive_low_water_ = bytes;
+    receive_low_water_ = bytes;
+    if (::setsockopt(fd_, SOL_SOCKET, SO_RCVLOWAT, &bytes, sizeof(bytes)) != 0 || bytes == 1) return;
+    // Linux >= 4.18 enlarges the receive buffer to hold the mark; where it does not (older kernels, a locked
+    // SO_RCVBUF) the window could close before the mark is queued: keep it within a quarter of the buffer.
+    int rcvbuf = 0;
+    socklen_t len = sizeof(rcvbuf);
+    if (::getsockopt(fd_, SOL_SOCKET, SO_RCVBUF, &rcvbuf, &len) == 0 && rcvbuf / 2 < bytes) {
+      const int lower = std::max(1, rcvbuf / 4);
+      ::setsockopt(fd_, SOL_SOCKET, SO_RCVLOWAT, &lower, sizeof(lower));
+    }
   }
 
   // Receives 1..n bytes.
@@ -305,11 +315,16 @@ class Channel {
  private:
   enum Limit { kIoTimeout, kHandshakeBudget, kRateFloor };
 
+  // Under a receive low-water mark a wait for input wakes this often to read what fewer bytes are queued.
+  static constexpr int kLowWaterSliceMs = 50;
+
   void wait(short events, const char* what) {
+    const auto started = Clock::now();  // the io timeout counts from here (in double: it may be huge)
+    const bool sliced = (events & POLLIN) && receive_low_water_ > 1;
     for (;;) {
-      double budget = io_timeout_s_;
-      Limit limit = kIoTimeout;
       const auto now = Clock::now();
+      double budget = io_timeout_s_ - std::chrono::duration<double>(now - started).count();
+      Limit limit = kIoTimeout;
       if (has_deadline_) {
         const double left = std::chrono::duration<double>(deadline_ - now).count();
         if (left < budget) {
@@ -327,13 +342,19 @@ class Channel {
       }
       if (budget <= 0) throw_timeout(what, limit);
       struct pollfd fds[2] = {{fd_, events, 0}, {stop_fd_, POLLIN, 0}};
-      const int r = ::poll(fds, stop_fd_ >= 0 ? 2 : 1, timeout_ms(budget));
+      const int ms = sliced ? std::min(timeout_ms(budget), kLowWaterSliceMs) : timeout_ms(budget);
+      const int r = ::poll(fds, stop_fd_ >= 0 ? 2 : 1, ms);
       if (r < 0) {
         if (errno == EINTR) continue;
         throw OsError(errno, "poll failed", "");
       }
       if (stop_fd_ >= 0 && (fds[1].revents & POLLIN)) throw TransferError("server is stopping");
-      if (r == 0) throw_timeout(what, limit);
+      if (r == 0) {
+        int queued = 0;
+        if (sliced && ::ioctl(fd_, FIONREAD, &queued) == 0 && queued > 0) return;  // below the mark: read it
+        if (sliced) continue;  // the budget above decides
+        throw_timeout(what, limit);
+      }
       return;  // ready, or an error condition the next syscall reports
     }
   }

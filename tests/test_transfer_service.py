@@ -844,3 +844,74 @@ def test_a_server_killed_mid_reception_leaves_a_temp_file_that_the_next_start_sw
     with _core.TransferServer(base, SECRET, io_timeout_s=IO_TIMEOUT) as srv:
         assert srv.stats()["temp_files_swept"] == 1
     assert list(base.rglob(".xfer-*.tmp")) == [] and not (base / "step-3" / "rank-00001-0.fpo").exists()
+
+
+# --- the receiver's low-water mark (SO_RCVLOWAT): never a wait for bytes that do not come -------------
+
+CHUNK = 256 << 10  # kChunkBytes, also the receiver's low-water mark
+TAG = 16
+LOW_WATER_SIZES = [0, 1, TAG - 1, TAG, TAG + 1, CHUNK - TAG - 1, CHUNK - TAG, CHUNK - 1, CHUNK, CHUNK + 1,
+                   CHUNK + TAG, 4 * CHUNK + 7, 5 * CHUNK - TAG + 3, 9 * CHUNK - 1]
+# Spares of at least 1 MiB are received into through a mapping; "smaller" ends inside a chunk of the larger
+# objects (mapped part, then written), "larger" holds every object whole.
+SPARE_SIZES = {"none": None, "smaller": MiB + 5 * 4096 + 100, "larger": 3 * MiB}
+
+
+@pytest.mark.parametrize("spare", list(SPARE_SIZES))
+@pytest.mark.parametrize("way", ["push-send", "push-sendfile", "fetch"])
+def test_every_size_around_chunks_and_tags_is_received_without_waiting_out_a_timeout(dirs, way, spare):
+    """The receiver asks to be woken once the rest of a chunk and its tag are queued: a mark above what the
+    sender sends would sleep until the io timeout (1 s, no retries). Sizes around the chunk and tag edges,
+    through a mapped spare that ends mid-chunk or not, each way; the bytes and CRC must match."""
+    base, client, _ = dirs
+    spare_bytes = SPARE_SIZES[spare]
+    with _core.TransferServer(base, SECRET, io_timeout_s=IO_TIMEOUT, handshake_timeout_s=IO_TIMEOUT,
+                              max_object_bytes=256 * MiB, spare_dir=SPARES) as srv:
+        (base / SPARES).mkdir(parents=True, exist_ok=True)
+        (client / SPARES).mkdir(parents=True, exist_ok=True)
+        for n in LOW_WATER_SIZES:
+            data = os.urandom(n)
+            name = f"lw/{way}-{spare}-{n}.fpo"
+            receiver_base = base if way.startswith("push") else client
+            if spare_bytes and n:
+                add_spare(receiver_base, f"s-{n}", spare_bytes)  # each reception of n > 0 bytes takes one
+            t0 = time.monotonic()
+            if way.startswith("push"):
+                write_object(client, name, data)
+                r = _core.transfer_push(HOST, srv.port, SECRET, client, name, retries=0, io_timeout_s=IO_TIMEOUT,
+                                        zero_copy=way == "push-sendfile")
+                got = (base / name).read_bytes()
+            else:
+                write_object(base, name, data)
+                r = _core.transfer_fetch(HOST, srv.port, SECRET, name, client, f"back/{n}.fpo", retries=0,
+                                         io_timeout_s=IO_TIMEOUT, spare_dir=SPARES)
+                got = (client / "back" / f"{n}.fpo").read_bytes()
+            elapsed = time.monotonic() - t0
+            assert got == data and r["nbytes"] == n and r["crc32c"] == _core.crc32c(data), n
+            assert elapsed < IO_TIMEOUT, (n, elapsed)
+        assert srv.errors() == [] and hidden_files(base) == [] and hidden_files(client) == []
+        if spare_bytes:  # every spare was used: the mapped and the written paths both ran
+            assert os.listdir(base / SPARES) == [] and os.listdir(client / SPARES) == []
+
+
+def test_a_peer_slower_than_the_low_water_mark_per_io_timeout_still_gets_through(dirs):
+    """With the rate floor off, a peer is judged by the io timeout alone: any byte within it keeps the
+    transfer going, also while the receiver waits for a chunk's worth (its waits wake to read what is
+    queued). Here 160 KiB/s against a 1 s timeout: a whole chunk takes 1.6 s to arrive."""
+    base, _, _ = dirs
+    data = os.urandom(CHUNK + 5000)
+    with _core.TransferServer(base, SECRET, io_timeout_s=IO_TIMEOUT, handshake_timeout_s=IO_TIMEOUT,
+                              max_object_bytes=256 * MiB, min_rate_bytes_per_s=0) as srv:
+        with peer.connect(HOST, srv.port, timeout=10) as sock:
+            s = peer.client_handshake(sock, SECRET)
+            s.send_request(peer.OP_PUSH, b"slow/o.fpo", len(data))
+            assert s.recv_response()[0] == peer.OK
+            for frame in s.data_frames(data):
+                for i in range(0, len(frame), 16 << 10):
+                    sock.sendall(frame[i:i + (16 << 10)])
+                    time.sleep(0.1)  # the pace under test: 16 KiB per 0.1 s
+            sock.sendall(s.trailer(len(data), peer.crc32c(data)))
+            status, nbytes, message = s.recv_response()
+        assert (status, nbytes) == (peer.OK, len(data)), message
+        assert srv.errors() == []
+    assert (base / "slow" / "o.fpo").read_bytes() == data
