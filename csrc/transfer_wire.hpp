@@ -215,8 +215,10 @@ class Channel {
   // before, and a kernel that cannot queue the mark costs speed, never a stall.
   void set_receive_low_water(int bytes) {
     if (bytes == receive_low_water_) return;
+    // Refused: the kernel keeps the last mark, and so does receive_low_water_ (waits stay sliced while it is > 1).
+    if (::setsockopt(fd_, SOL_SOCKET, SO_RCVLOWAT, &bytes, sizeof(bytes)) != 0) return;
     receive_low_water_ = bytes;
-    if (::setsockopt(fd_, SOL_SOCKET, SO_RCVLOWAT, &bytes, sizeof(bytes)) != 0 || bytes == 1) return;
+    if (bytes == 1) return;
     // Linux >= 4.18 enlarges the receive buffer to hold the mark; where it does not (older kernels, a locked
     // SO_RCVBUF) the window could close before the mark is queued: keep it within a quarter of the buffer.
     int rcvbuf = 0;
@@ -384,7 +386,7 @@ class Channel {
   Clock::time_point floor_start_;
   uint64_t floor_moved_start_ = 0;
   bool fell_below_rate_ = false;
-  int receive_low_water_ = 1;  // SO_RCVLOWAT as last set (1: the kernel's default)
+  int receive_low_water_ = 1;  // SO_RCVLOWAT as last set, or less (capped below); 1: the default
   std::unique_ptr<Session> session_;
 };
 
