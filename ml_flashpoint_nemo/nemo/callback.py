@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # both import NeMo's checkpoint IO stack, which the callback 
     _SignalHandler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None  # what signal.signal returns
 
 logger = logging.getLogger(__name__)
+LAST_PUSHES_WAIT_S = 120.0  # at the end of training, how long a rank waits for its own pushes of the last version
 
 
 class FlashpointCallback(Callback):
@@ -105,6 +106,7 @@ class FlashpointCallback(Callback):
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self.io is not None:
             self._finalize(trainer, blocking=True)
+            self._let_the_last_pushes_land()
         if self.drain is not None:  # the drains in flight land before the process exits
             assert self.settings is not None
             deadline = time.monotonic() + self.settings.durable_timeout_s
@@ -234,6 +236,24 @@ class FlashpointCallback(Callback):
         io.finalize_flashpoint(blocking=blocking)
         while io.outcomes:
             self._report(trainer, io.outcomes.pop(0))
+
+    def _let_the_last_pushes_land(self) -> None:
+        """End of training, every rank: wait (bounded) for this rank's pushes, then for every rank's (a barrier).
+
+        Each rank stops its transfer server when it tears down; a rank that got there first would refuse a
+        slower peer's push of the job's last RAM version, which would then not be on the node that has to
+        resume from it after a restart on fewer nodes.
+        """
+        import torch.distributed as dist
+
+        assert self.io is not None, "called once wired"
+        service = self.io.flashpoint_strategy.replication
+        if service is not None and not service.wait_for_pushes(LAST_PUSHES_WAIT_S):
+            logger.warning("Rank %d: the replication of the last RAM checkpoint did not end within %.0f s; its "
+                           "transfer server stops anyway, so peers still pushing to it leave that version "
+                           "under-replicated", service.rank, LAST_PUSHES_WAIT_S)
+        if dist.is_initialized():
+            dist.barrier()
 
     def _replication_numbers(self) -> dict[str, float]:
         """Job-wide replication state at this save (collective: every rank reports the same saves).

@@ -407,6 +407,20 @@ class ReplicationService:
             failed = [st.step for st in self._status.values() if st.state == UNDER_REPLICATED]
         return newest, any(newest is None or step > newest for step in failed)
 
+    def wait_for_pushes(self, timeout: float) -> bool:
+        """Wait (bounded) until no version is queued or being pushed; True if none is left.
+
+        For the end of training: a rank's transfer server must outlive its peers' pushes of the last version.
+        """
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while self.enabled and any(status.state == PENDING for status in self._status.values()):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
     def wait(self, step: int, timeout: float) -> ReplicationStatus:
         """Wait (bounded) until step is no longer pending; for tests and tools, never called by a save."""
         deadline = time.monotonic() + timeout

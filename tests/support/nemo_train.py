@@ -48,6 +48,8 @@ def main() -> None:
     parser.add_argument("--unblock-at", type=int, default=0,
                         help="after this step, once the drain is idle, rank 0 removes --filler")
     parser.add_argument("--filler", default=None)
+    parser.add_argument("--delay-pushes-of-rank", type=int, default=None,
+                        help="this rank starts each replication push 3 s late (a slow peer at the end of training)")
     args = parser.parse_args()
     args.base = args.base.replace("{rank}", os.environ.get("RANK", "0"))
     sys.path.insert(0, str(EXAMPLES))
@@ -126,6 +128,17 @@ def main() -> None:
         return fully_parallel_load(self, *load_args, **load_kwargs)
 
     FullyParallelLoadStrategyWrapper.load = counted_load
+
+    if args.delay_pushes_of_rank == int(os.environ.get("RANK", "0")):
+        from ml_flashpoint_nemo.replication.service import ReplicationService
+
+        push_version = ReplicationService._push_version
+
+        def late_push(self: Any, step: int) -> Any:
+            time.sleep(3.0)  # the fault injected, not a synchronisation: the other rank ends its run meanwhile
+            return push_version(self, step)
+
+        ReplicationService._push_version = late_push  # type: ignore[method-assign]
 
     recorder = tiny_gpt.LossRecorder()
     callbacks: list[Any] = [recorder] + ([KillAfter()] if args.kill_at else [])
