@@ -18,7 +18,7 @@ import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from ml_flashpoint_nemo.testing.ports import free_port
 
@@ -33,7 +33,7 @@ class StartupTimeoutError(TimeoutError):
 def launch_ranks(script: str, argv: Sequence[str], nproc: int = 2, timeout: float = 600.0,
                  env: dict[str, str] | None = None, log_dir: str | os.PathLike[str] | None = None,
                  stop_on_failure: bool = False, stack_signal: int | None = None,
-                 startup_timeout: float | None = None) -> int:
+                 startup_timeout: float | None = None, popen: Callable[..., Any] = subprocess.Popen) -> int:
     """Run `script argv` as nproc ranks (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT set).
 
     Returns the worst exit code: negative if a rank was killed by a signal (-9 for SIGKILL);
@@ -49,6 +49,8 @@ def launch_ranks(script: str, argv: Sequence[str], nproc: int = 2, timeout: floa
     With startup_timeout, timeout counts from when every rank reported its process group up
     (init_process_group_reporting_start); a start-up longer than startup_timeout raises
     StartupTimeoutError instead, so that a slow start is never taken for a hang.
+    popen starts each rank (subprocess.Popen's arguments; tests pass a fork server's, see
+    tests/support/fork_server.py).
     """
     port = free_port()
     procs = []
@@ -65,7 +67,7 @@ def launch_ranks(script: str, argv: Sequence[str], nproc: int = 2, timeout: floa
         if log_dir is not None:
             os.makedirs(log_dir, exist_ok=True)
             output = open(os.path.join(log_dir, f"rank-{rank}.log"), "w")  # noqa: SIM115 - closed by the child's exit
-        procs.append(subprocess.Popen([sys.executable, os.path.abspath(script), *argv], env=rank_env,
+        procs.append(popen([sys.executable, os.path.abspath(script), *argv], env=rank_env,
                                       stdout=output, stderr=subprocess.STDOUT if output else None,
                                       start_new_session=True))
         if output is not None:

@@ -1,6 +1,7 @@
 """Real NeMo trainers on 2 CPU ranks: train, RAM checkpoints, SIGKILL, restart, resume - and the fallbacks.
 
-Each run is 2 real rank processes (gloo) started by examples/launch.py; the CPU stand-ins for
+Each run is 2 real rank processes (gloo) started by examples/launch.py, forked from a process that has NeMo
+imported already (tests/support/fork_server.py; the quickstart test starts real interpreters); the CPU stand-ins for
 CUDA-only calls come from ml_flashpoint_nemo/testing/cpu_shims.py (no GPU here). A resumed run must match an
 uninterrupted one bit for bit: losses, parameters and optimizer state.
 """
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.fork_server import nemo_popen
 from tests.support.multiproc import REPO
 
 sys.path.insert(0, str(REPO / "examples"))
@@ -31,7 +33,7 @@ STEPS = REFERENCE_STEPS
 def train(out: Path, phase: str, base: Path, *flags: str, expect: int = 0, steps: int = STEPS, nproc: int = 2) -> dict:
     code = launch_ranks(str(REPO / "tests" / "support" / "nemo_train.py"),
                         ["--steps", str(steps), "--out", str(out / phase), "--base", str(base), *flags],
-                        nproc=nproc, timeout=400, log_dir=out / phase)
+                        nproc=nproc, timeout=400, log_dir=out / phase, popen=nemo_popen)
     log = (out / phase / "rank-0.log").read_text()
     assert code == expect, f"{phase} exited with {code}, expected {expect}\n{log[-4000:]}"
     result = out / phase / "result.json"
@@ -134,11 +136,12 @@ def saved_and_resumed_states(out: Path) -> tuple[dict, dict]:
 
 @pytest.mark.parametrize("replica_kept", [True, False], ids=["replica-on-survivor", "piece-lost"])
 def test_trainer_restarted_on_fewer_ranks_resumes_from_ram_when_every_piece_is_held(tmp_path, shm_dir, replica_kept):
-    """Two nodes (a base directory per rank) train 4 steps, RAM saves every 2, replicated to each other.
-    Node 0 is then lost for good and the job restarts as 1 rank on node 1. With node 0's objects
+    """Two nodes (a base directory per rank) train 4 steps, RAM saves every 2, replicated to each other; rank 0
+    starts its pushes 3 s late, so rank 1 ends its run first and must keep its transfer server up until rank 0's
+    last push landed. Node 0 is then lost for good and the job restarts as 1 rank on node 1. With node 0's objects
     replicated there, it resumes from RAM step 4 with exactly the saved parameters and optimizer state
     (resharded from 2 data-parallel ranks to 1); with a piece lost, it falls back and logs why."""
-    saved = train(tmp_path, "saved", shm_dir / "node{rank}", "--every", "2", steps=4)
+    saved = train(tmp_path, "saved", shm_dir / "node{rank}", "--every", "2", "--delay-pushes-of-rank", "0", steps=4)
     assert [s["step"] for s in saved["saves"]] == [2, 4], saved["saves"]
     survivor = shm_dir / "node1"
     assert (survivor / "step-4" / "rank-00000-0.fpo").is_file(), "replication did not reach node 1"

@@ -2,12 +2,15 @@
 
 Each rank is its own Python process (python -m tests.support.<module> <scenario> ...),
 so a test sees real process boundaries, real collectives and real exit codes, and a
-hung rank is killed at the timeout instead of hanging the suite.
+hung rank is killed at the timeout instead of hanging the suite. Ranks started without a
+command prefix are forked from a process that has torch (and Megatron-core, for the modules
+that use it) imported already: tests/support/fork_server.py.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import os
 import signal
@@ -19,6 +22,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ml_flashpoint_nemo.testing.ports import free_port
+from tests.support.fork_server import MEGATRON_PRELOAD, TORCH_PRELOAD, popen_preloaded
+
+# The scenario modules whose ranks import Megatron-core; the others get a server with torch only.
+_MEGATRON_MODULES = {"elastic_scenarios", "lifecycle_scenarios", "megatron_scenarios", "replication_scenarios"}
 
 __all__ = ["REPO", "expect_failure", "free_port", "run_ranks", "run_world", "scenario_main"]
 
@@ -36,13 +43,15 @@ def run_ranks(module: str, scenario: str, params: dict[str, Any], *, prefixes: l
               envs: list[dict[str, str]], master_addr: str, master_port: int, timeout: float = 180) -> list[str]:
     """Like run_world, but rank r runs under the command prefix prefixes[r] (e.g. ip netns exec NS) with envs[r]."""
     world_size = len(prefixes)
-    procs = []
+    preload = MEGATRON_PRELOAD if module in _MEGATRON_MODULES else TORCH_PRELOAD
+    procs: list[Any] = []
     for rank in range(world_size):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                    MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), OMP_NUM_THREADS="1",
                    FLASHPOINT_COPY_THREADS="1")
         env.update(envs[rank])
-        procs.append(subprocess.Popen(
+        popen = subprocess.Popen if prefixes[rank] else functools.partial(popen_preloaded, preload)
+        procs.append(popen(
             prefixes[rank] + [sys.executable, "-m", f"tests.support.{module}", scenario, json.dumps(params)],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             start_new_session=True,  # its own process group: a timeout kills what it forked too
@@ -68,7 +77,7 @@ def run_ranks(module: str, scenario: str, params: dict[str, Any], *, prefixes: l
     return outputs
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def _kill_group(proc: Any) -> None:
     """SIGKILL a rank and every process it forked (e.g. a forked async-save worker that hung and keeps the
     rank's stdout open, so that reading it would never end)."""
     try:

@@ -3,7 +3,7 @@
 tests/support/nemo_train.py with --route none: no flashpoint, fixed seeds, REFERENCE_STEPS steps.
 Its losses and final state do not depend on any test (nor on flashpoint's or async-save flags,
 which it does not use), so the session computes it once (conftest's nemo_reference) instead of
-once per test module: each run is two NeMo processes, ~20-30 s on 2 cores.
+once per test module: each run is two NeMo processes, forked from tests/support/fork_server.py's server.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from tests.support.fork_server import nemo_popen
 from tests.support.multiproc import REPO
 
 sys.path.insert(0, str(REPO / "examples"))
@@ -25,7 +26,7 @@ def train_reference(out: Path, timeout: float = 400) -> Path:
     """Run the reference into out/reference (where quickstart.compare looks) and return out."""
     code = launch_ranks(TRAIN_SCRIPT, ["--steps", str(REFERENCE_STEPS), "--out", str(out / "reference"),
                                        "--base", str(out / "unused-base"), "--route", "none"],
-                        timeout=timeout, log_dir=out / "reference")
+                        timeout=timeout, log_dir=out / "reference", popen=nemo_popen)
     assert code == 0, (out / "reference" / "rank-0.log").read_text()[-4000:]
     return out
 

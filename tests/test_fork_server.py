@@ -1,0 +1,118 @@
+"""The fork server that starts the NeMo and scenario ranks (tests/support/fork_server.py) must behave as
+`python script.py` / `python -m module` under subprocess.Popen would: argv, environment, directory, session,
+stdout/stderr, exit status (signals negative), tracebacks, and a normal interpreter exit."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support.fork_server import ForkServer, ForkServerError
+
+SCRIPT = textwrap.dedent("""
+    import atexit, json, os, sys
+    atexit.register(lambda: print("atexit ran", flush=True))
+    mode = sys.argv[1]
+    if mode == "report":
+        torch = sys.modules.get("torch")
+        print(json.dumps({"argv": sys.argv, "name": __name__, "cwd": os.getcwd(), "path0": sys.path[0],
+                          "env": os.environ.get("FORK_TEST"), "rank": os.environ.get("RANK"),
+                          "sid_is_pid": os.getsid(0) == os.getpid(), "preloaded": "json" in sys.modules,
+                          "threads": torch.get_num_threads() if torch else None}))
+        print("to stderr", file=sys.stderr)
+    elif mode == "exit":
+        sys.exit(int(sys.argv[2]))
+    elif mode == "raise":
+        raise ValueError("the script failed")
+    elif mode == "kill":
+        os.kill(os.getpid(), 9)
+    elif mode == "sleep":
+        import time
+        time.sleep(60)
+    """)
+
+
+@pytest.fixture(scope="module")
+def server():
+    server = ForkServer(preload=("json",))
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> str:
+    path = tmp_path / "rank_script.py"
+    path.write_text(SCRIPT)
+    return str(path)
+
+
+def run(server: ForkServer, args: list[str], **kwargs) -> tuple[int | None, str, str]:
+    proc = server.popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                        **kwargs)
+    out, err = proc.communicate(timeout=60)
+    return proc.returncode, out, err
+
+
+def test_a_script_gets_its_argv_environment_directory_and_session_and_exits_normally(server, script, tmp_path):
+    env = dict(os.environ, FORK_TEST="given", RANK="1")
+    code, out, err = run(server, [script, "report", "x y"], env=env, cwd=tmp_path, start_new_session=True)
+    assert code == 0, err
+    report = json.loads(out.splitlines()[0])
+    assert report["argv"] == [script, "report", "x y"] and report["name"] == "__main__"
+    assert report["cwd"] == str(tmp_path) and report["path0"] == str(tmp_path)
+    assert report["env"] == "given" and report["rank"] == "1"
+    assert report["sid_is_pid"] and report["preloaded"]
+    assert out.splitlines()[1] == "atexit ran" and err == "to stderr\n"
+
+
+def test_exit_codes_tracebacks_and_signals_are_reported_as_popen_does(server, script):
+    assert run(server, [script, "exit", "3"])[0] == 3
+    code, _, err = run(server, [script, "raise"])
+    assert code == 1 and "ValueError: the script failed" in err and "Traceback" in err
+    code, out, _ = run(server, [script, "kill"])
+    assert code == -signal.SIGKILL and "atexit ran" not in out
+
+
+def test_a_module_runs_as_python_dash_m_runs_it(server, script, tmp_path):
+    (tmp_path / "fork_probe.py").write_text(Path(script).read_text())
+    code, out, err = run(server, ["-m", "fork_probe", "report"], cwd=tmp_path)
+    assert code == 0, err
+    report = json.loads(out.splitlines()[0])
+    assert report["argv"] == [str(tmp_path / "fork_probe.py"), "report"] and report["name"] == "__main__"
+    assert report["path0"] == str(tmp_path)
+    with pytest.raises(ValueError, match="runs"):
+        server.popen(["/bin/true"])
+
+
+def test_poll_wait_and_a_killed_session(server, script):
+    proc = server.popen([sys.executable, script, "sleep"], start_new_session=True)
+    assert proc.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(timeout=0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.wait(timeout=30) == -signal.SIGKILL and proc.poll() == -signal.SIGKILL
+
+
+def test_a_rank_of_a_torch_server_uses_the_thread_count_its_environment_asks_for(script):
+    server = ForkServer(preload=("torch",))
+    try:
+        code, out, err = run(server, [script, "report"], env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert code == 0, err
+        assert json.loads(out.splitlines()[0])["threads"] == 1
+    finally:
+        server.close()
+
+
+def test_a_server_that_cannot_start_says_so():
+    started = time.monotonic()
+    with pytest.raises(ForkServerError, match="did not start"):
+        ForkServer(preload=("no_such_module_anywhere",))
+    assert time.monotonic() - started < 60
