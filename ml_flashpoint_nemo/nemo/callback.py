@@ -34,7 +34,10 @@ if TYPE_CHECKING:  # both import NeMo's checkpoint IO stack, which the callback 
     _SignalHandler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None  # what signal.signal returns
 
 logger = logging.getLogger(__name__)
-LAST_PUSHES_WAIT_S = 120.0  # at the end of training, how long a rank waits for its own pushes of the last version
+# At the end of training: how long the ranks wait for each other's replication pushes of the last version (a safety
+# net: a push ends by itself within its I/O timeouts and rate floor), and for their own pushes between two gathers.
+LAST_PUSHES_WAIT_S = 600.0
+LAST_PUSHES_ROUND_S = 2.0
 
 
 class FlashpointCallback(Callback):
@@ -238,22 +241,34 @@ class FlashpointCallback(Callback):
             self._report(trainer, io.outcomes.pop(0))
 
     def _let_the_last_pushes_land(self) -> None:
-        """End of training, every rank: wait (bounded) for this rank's pushes, then for every rank's (a barrier).
+        """End of training, every rank: wait until no rank is still pushing replicas (bounded), in rounds.
 
         Each rank stops its transfer server when it tears down; a rank that got there first would refuse a
         slower peer's push of the job's last RAM version, which would then not be on the node that has to
-        resume from it after a restart on fewer nodes.
+        resume from it after a restart on fewer nodes. Each round waits at most LAST_PUSHES_ROUND_S for this
+        rank's own pushes and then gathers every rank's state, so no collective of this wait outlasts a short
+        process-group timeout, and every rank leaves in the same round.
         """
         import torch.distributed as dist
 
         assert self.io is not None, "called once wired"
         service = self.io.flashpoint_strategy.replication
-        if service is not None and not service.wait_for_pushes(LAST_PUSHES_WAIT_S):
-            logger.warning("Rank %d: the replication of the last RAM checkpoint did not end within %.0f s; its "
-                           "transfer server stops anyway, so peers still pushing to it leave that version "
-                           "under-replicated", service.rank, LAST_PUSHES_WAIT_S)
-        if dist.is_initialized():
-            dist.barrier()
+        deadline = time.monotonic() + LAST_PUSHES_WAIT_S
+        while True:
+            done = service is None or service.wait_for_pushes(LAST_PUSHES_ROUND_S)
+            mine = (done, time.monotonic() >= deadline)
+            everyone: list[Any] = [mine]
+            if dist.is_initialized():
+                everyone = [None] * dist.get_world_size()
+                dist.all_gather_object(everyone, mine)
+            if all(done for done, _ in everyone):
+                return
+            if any(late for _, late in everyone):
+                if not dist.is_initialized() or dist.get_rank() == 0:
+                    logger.warning("Replication of the last RAM checkpoint still runs after %.0f s on ranks %s; "
+                                   "training ends anyway, and what they still push is refused by the ranks that "
+                                   "exit", LAST_PUSHES_WAIT_S, [r for r, (done, _) in enumerate(everyone) if not done])
+                return
 
     def _replication_numbers(self) -> dict[str, float]:
         """Job-wide replication state at this save (collective: every rank reports the same saves).
