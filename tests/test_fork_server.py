@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import fork_server
 from tests.support.fork_server import ForkServer, ForkServerError
 
 SCRIPT = textwrap.dedent("""
@@ -23,7 +24,7 @@ SCRIPT = textwrap.dedent("""
     mode = sys.argv[1]
     if mode == "report":
         torch = sys.modules.get("torch")
-        print(json.dumps({"argv": sys.argv, "name": __name__, "cwd": os.getcwd(), "path0": sys.path[0],
+        print(json.dumps({"argv": sys.argv, "name": __name__, "cwd": os.getcwd(), "path": sys.path[:3],
                           "env": os.environ.get("FORK_TEST"), "rank": os.environ.get("RANK"),
                           "sid_is_pid": os.getsid(0) == os.getpid(), "preloaded": "json" in sys.modules,
                           "threads": torch.get_num_threads() if torch else None}))
@@ -67,7 +68,7 @@ def test_a_script_gets_its_argv_environment_directory_and_session_and_exits_norm
     assert code == 0, err
     report = json.loads(out.splitlines()[0])
     assert report["argv"] == [script, "report", "x y"] and report["name"] == "__main__"
-    assert report["cwd"] == str(tmp_path) and report["path0"] == str(tmp_path)
+    assert report["cwd"] == str(tmp_path) and report["path"][0] == str(tmp_path)
     assert report["env"] == "given" and report["rank"] == "1"
     assert report["sid_is_pid"] and report["preloaded"]
     assert out.splitlines()[1] == "atexit ran" and err == "to stderr\n"
@@ -87,7 +88,7 @@ def test_a_module_runs_as_python_dash_m_runs_it(server, script, tmp_path):
     assert code == 0, err
     report = json.loads(out.splitlines()[0])
     assert report["argv"] == [str(tmp_path / "fork_probe.py"), "report"] and report["name"] == "__main__"
-    assert report["path0"] == str(tmp_path)
+    assert report["path"][0] == str(tmp_path)
     with pytest.raises(ValueError, match="runs"):
         server.popen(["/bin/true"])
 
@@ -116,3 +117,30 @@ def test_a_server_that_cannot_start_says_so():
     with pytest.raises(ForkServerError, match="did not start"):
         ForkServer(preload=("no_such_module_anywhere",))
     assert time.monotonic() - started < 60
+
+
+def test_a_request_whose_import_time_environment_differs_is_refused_and_pythonpath_is_applied(server, script,
+                                                                                             tmp_path):
+    for name, value in (("PYTHONHASHSEED", "7"), ("TORCH_DISTRIBUTED_DEBUG", "DETAIL")):
+        with pytest.raises(ForkServerError, match=name):
+            server.popen([sys.executable, script, "report"], env=dict(os.environ, **{name: value}))
+    with pytest.raises(FileNotFoundError):
+        server.popen([sys.executable, script, "report"], cwd=tmp_path / "missing")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "a"), str(tmp_path / "b")]))
+    code, out, err = run(server, [script, "report"], env=env)
+    assert code == 0, err
+    assert json.loads(out.splitlines()[0])["path"][1:] == [str(tmp_path / "a"), str(tmp_path / "b")]
+
+
+def test_a_dead_server_is_replaced_and_ranks_of_a_per_rank_server_see_their_rank_at_import(script):
+    env = dict(os.environ, RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    preload = ("json", "tests.support.fork_server")  # a module imported before the fork, under the server's env
+    first = fork_server.popen_preloaded(preload, [sys.executable, script, "exit", "0"], per_rank=True, env=env)
+    assert first.wait(timeout=60) == 0
+    server = fork_server._servers[(preload, ("1", "1", "2", "2"))]
+    assert server.env["RANK"] == "1"
+    server._proc.kill()
+    server._proc.wait()
+    second = fork_server.popen_preloaded(preload, [sys.executable, script, "exit", "5"], per_rank=True, env=env)
+    assert second.wait(timeout=60) == 5
+    assert fork_server._servers[(preload, ("1", "1", "2", "2"))] is not server

@@ -1,20 +1,27 @@
-"""A fork server for NeMo rank processes: NeMo is imported once, each rank is a fork of that process (tests only).
+"""A fork server for NeMo and scenario rank processes: heavy modules imported once, each rank a fork (tests only).
 
 Importing NeMo, Lightning and Megatron-core takes about 11 s of CPU per process on this machine, most of a
-tiny 2-rank training run, and the end-to-end tests start dozens of such ranks. The server imports them once;
-each rank is then forked from it and runs its script as ``__main__`` in a session of its own, with the
-environment, working directory, stdout and stderr it was given, and exits as ``python script.py`` would (the
-interpreter's own exit: atexit hooks, thread joins, exit status 1 and a traceback on an uncaught exception).
-Everything after start-up is unchanged: a process of its own, gloo, signals, SIGKILL, its exit status.
+tiny 2-rank training run, and the tests start hundreds of rank processes. A server imports the preload list
+once; each rank is then forked from it and runs its script (or module) as ``__main__`` in a session of its
+own, with the environment, working directory, stdout and stderr it was given, and exits as ``python
+script.py`` would (the interpreter's own exit: atexit hooks, thread joins, status 1 and a traceback on an
+uncaught exception). Everything after start-up is its own: process, gloo, signals, SIGKILL, exit status.
 
-What differs from ``python script.py``: the modules named in the preload list were imported before the fork,
-under the server's environment (the test process's, without the rank variables), and the rank inherits the
-server's open descriptors. No code of ml_flashpoint_nemo is imported before the fork. The launchers a user
-runs (torchrun, ft_launcher, examples/launch.py on its own) are tested elsewhere with real interpreters.
+What differs from ``python script.py``, and how it is kept from mattering:
+- The preloaded modules were imported under the server's environment. A server is started with the
+  environment of its first request; a request whose variables read at import (``TORCH_*``, ``NEMO_*``,
+  ``PYTHON*``, thread counts...) differ from its server's is refused, except OMP_NUM_THREADS (applied with
+  torch.set_num_threads) and PYTHONPATH (its entries are put on sys.path). NeMo reads the rank at import
+  (its logger's rank 0), so NeMo ranks get a server per rank (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE),
+  which also gives each rank its own string-hash seed; torch and Megatron read no rank at import.
+- A rank inherits the server's open descriptors and its multiprocessing authkey is replaced.
+- No code of ml_flashpoint_nemo is imported before the fork.
+The launchers a user runs (torchrun, ft_launcher, examples/launch.py on its own, the CLI) are tested with
+real interpreters elsewhere.
 
-Each rank has a supervisor (a fork of the server, which forks the rank and waits for it) that reports the
-rank's pid and then its exit status, as Popen's returncode (negative for a signal), over the request's
-socket. The server exits when the test process closes its stdin (or dies).
+Each rank has a supervisor (a fork of the server that forks the rank and waits for it); it reports the rank's
+pid and then its exit status, as Popen's returncode (negative for a signal), over the request's socket.
+A server exits when the test process closes its stdin (or dies); a dead server is replaced.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import importlib
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -31,19 +39,33 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from pathlib import Path
-from typing import IO, Any, Sequence
+from typing import IO, Any, Mapping, Sequence
 
 REPO = Path(__file__).resolve().parents[2]
 TORCH_PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint")
 MEGATRON_PRELOAD = (*TORCH_PRELOAD, "megatron.core", "megatron.core.dist_checkpointing",
                     "megatron.core.dist_checkpointing.strategies.fully_parallel")
 NEMO_PRELOAD = (*MEGATRON_PRELOAD, "lightning.pytorch", "nemo_run", "fiddle", "nemo.lightning", "nemo.collections.llm")
+RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+# Variables that the interpreter, torch, NeMo or the thread pools read when they start or are imported.
+_IMPORT_TIME_PREFIXES = ("TORCH_", "NEMO_", "PYTHON", "CUDA_", "NCCL_", "OMP_", "KMP_", "GOMP_", "MKL_",
+                         "OPENBLAS_", "MALLOC_")
+_APPLIED_AFTER_FORK = {"OMP_NUM_THREADS", "PYTHONPATH"}
 _HEADER = 8  # bytes of the request's length, before its JSON
 
 
 class ForkServerError(RuntimeError):
-    """The fork server did not start, or lost a rank's supervisor."""
+    """The fork server did not start, refused a request, or lost a rank's supervisor."""
+
+
+def _readable(fds: Sequence[int], timeout: float | None) -> list[int]:
+    """The fds that are readable (or closed) within timeout (None: no bound); poll(), so any fd number works."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+    return [fd for fd, _ in poller.poll(None if timeout is None else max(0, int(timeout * 1000)))]
 
 
 class ForkedProcess:
@@ -53,89 +75,127 @@ class ForkedProcess:
     def __init__(self, conn: socket.socket, timeout: float, pipes: dict[str, int], text: bool) -> None:
         self._conn = conn
         self._buffer = b""
-        self._pipes = pipes  # "stdout"/"stderr" -> the read end of a pipe the rank writes
+        self._pipes = pipes  # "stdout"/"stderr" -> the read end of a pipe the rank writes; -1 once at its end
+        self._read = {name: b"" for name in pipes}
         self._text = text
         self.returncode: int | None = None
-        pid = self._read_line(timeout)
+        self.pid = -1
+        try:
+            pid = self._read_line(timeout)
+        except ForkServerError:
+            pid = None
         if pid is None or not pid.startswith("pid "):
-            raise ForkServerError(f"the fork server did not start the rank: {pid!r}")
+            self._close()  # the supervisor then kills a rank that starts late
+            raise ForkServerError(f"the fork server did not start the rank within {timeout:.0f} s: {pid!r}")
         self.pid = int(pid.split()[1])
 
     def _read_line(self, timeout: float | None) -> str | None:
         """The next line the supervisor sent; None if none came within timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while b"\n" not in self._buffer:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not select.select([self._conn], [], [], left)[0]:
+            if not _readable([self._conn.fileno()], None if deadline is None else deadline - time.monotonic()):
                 return None
             data = self._conn.recv(4096)
             if not data:
-                raise ForkServerError(f"the supervisor of rank process {getattr(self, 'pid', '?')} went away")
+                raise ForkServerError(f"the supervisor of rank process {self.pid} went away")
             self._buffer += data
         line, self._buffer = self._buffer.split(b"\n", 1)
         return line.decode()
 
-    def poll(self) -> int | None:
-        return self.wait(timeout=0.0) if self.returncode is None else self.returncode
-
-    def wait(self, timeout: float | None = None) -> int | None:
-        """The exit status; None from poll (timeout 0) while running, TimeoutExpired past any other timeout."""
+    def _wait(self, timeout: float | None) -> int | None:
+        """The exit status, or None if the rank still runs after timeout (None: no bound)."""
         if self.returncode is None:
             line = self._read_line(timeout)
             if line is None:
-                if timeout == 0.0:
-                    return None
-                raise subprocess.TimeoutExpired(f"rank process {self.pid}", timeout or 0.0)
+                return None
             self.returncode = int(line.split()[1])
             self._conn.close()
         return self.returncode
 
+    def poll(self) -> int | None:
+        return self._wait(0.0)
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = self._wait(timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(f"rank process {self.pid}", timeout or 0.0)
+        return code
+
     def communicate(self, timeout: float | None = None) -> tuple[Any, Any]:
         """Read the piped stdout and stderr to their end, then wait; TimeoutExpired as Popen (call it again)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        if not hasattr(self, "_read"):
-            self._read: dict[str, bytes] = {name: b"" for name in self._pipes}
+
+        def left() -> float | None:
+            if deadline is None:
+                return None
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise subprocess.TimeoutExpired(f"rank process {self.pid}", timeout or 0.0)
+            return remaining
+
         open_fds = {fd: name for name, fd in self._pipes.items() if fd >= 0}
         while open_fds:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            readable = select.select(list(open_fds), [], [], left)[0]
-            if not readable:
-                raise subprocess.TimeoutExpired(f"rank process {self.pid}", timeout or 0.0)
-            for fd in readable:
+            for fd in _readable(list(open_fds), left()):
                 data = os.read(fd, 1 << 16)
                 if data:
                     self._read[open_fds[fd]] += data
                 else:
                     os.close(fd)
                     self._pipes[open_fds.pop(fd)] = -1
-        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()) or None)
+        while self._wait(left()) is None:
+            pass
         outputs = [self._read.get(name) for name in ("stdout", "stderr")]
         return tuple(out.decode(errors="replace") if self._text and out is not None else out
                      for out in outputs)  # type: ignore[return-value]
+
+    def _close(self) -> None:
+        self._conn.close()
+        for name, fd in self._pipes.items():
+            if fd >= 0:
+                os.close(fd)
+                self._pipes[name] = -1
 
 
 class ForkServer:
     """Starts the server process; popen() starts a rank from it (same arguments as subprocess.Popen's)."""
 
-    def __init__(self, preload: Sequence[str] = NEMO_PRELOAD, timeout: float = 300.0) -> None:
+    def __init__(self, preload: Sequence[str] = NEMO_PRELOAD, env: Mapping[str, str] | None = None,
+                 timeout: float = 300.0) -> None:
+        self.env = dict(os.environ if env is None else env)
         self._dir = tempfile.mkdtemp(prefix="fork-server-")
         self.path = os.path.join(self._dir, "socket")
         self._proc = subprocess.Popen([sys.executable, "-m", "tests.support.fork_server", self.path, *preload],
-                                      cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                                      cwd=REPO, env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         assert self._proc.stdout is not None
-        ready = select.select([self._proc.stdout], [], [], timeout)[0]
+        ready = _readable([self._proc.stdout.fileno()], timeout)
         line = self._proc.stdout.readline() if ready else b""
         if line.strip() != b"ready":
             self.close()
-            raise ForkServerError(f"the fork server did not start within {timeout:.0f} s: {line!r}")
+            raise ForkServerError(f"the fork server for {list(preload)} did not start within {timeout:.0f} s: "
+                                  f"{line!r} (its stderr is above)")
 
-    def popen(self, args: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | os.PathLike[str] | None = None,
-              stdout: IO[Any] | int | None = None, stderr: IO[Any] | int | None = None, text: bool = False,
-              start_new_session: bool = False, timeout: float = 60.0) -> ForkedProcess:
+    @property
+    def alive(self) -> bool:
+        return self._proc.poll() is None
+
+    def popen(self, args: Sequence[str], *, env: Mapping[str, str] | None = None,
+              cwd: str | os.PathLike[str] | None = None, stdout: IO[Any] | int | None = None,
+              stderr: IO[Any] | int | None = None, text: bool = False, start_new_session: bool = False,
+              timeout: float = 60.0) -> ForkedProcess:
         """Fork a rank running args = [sys.executable, script, *argv] or [sys.executable, "-m", module, *argv]
         (what the launchers pass to Popen); stdout and stderr as Popen takes them (None, a file, PIPE, STDOUT)."""
         if len(args) < 2 or args[0] != sys.executable or (args[1] == "-m" and len(args) < 3):
             raise ValueError(f"the fork server runs `{sys.executable} script|-m module ...` only, not {list(args)}")
+        env = dict(os.environ if env is None else env)
+        differ = sorted(name for name in set(env) | set(self.env)
+                        if name.startswith(_IMPORT_TIME_PREFIXES) and name not in _APPLIED_AFTER_FORK
+                        and env.get(name) != self.env.get(name))
+        if differ:
+            raise ForkServerError(f"{differ} differ from the fork server's environment and are read at start-up "
+                                  "or import: start this process with subprocess.Popen instead")
+        cwd = os.fspath(cwd or os.getcwd())
+        if not os.path.isdir(cwd):
+            raise FileNotFoundError(f"no such directory: {cwd!r}")
         pipes: dict[str, int] = {}
         ends: list[int] = []  # write ends to close here once the server has its copies
         out = self._stream(stdout, 1, "stdout", pipes, ends)
@@ -143,13 +203,17 @@ class ForkServer:
         module = args[1] == "-m"
         request = json.dumps({"module": args[2] if module else None,
                               "script": None if module else os.path.abspath(args[1]),
-                              "argv": list(args[3:] if module else args[2:]),
-                              "env": dict(os.environ if env is None else env), "cwd": os.fspath(cwd or os.getcwd()),
+                              "argv": list(args[3:] if module else args[2:]), "env": env, "cwd": cwd,
                               "new_session": start_new_session}).encode()
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             conn.connect(self.path)
             socket.send_fds(conn, [len(request).to_bytes(_HEADER, "big") + request], [out, err])
+        except BaseException:
+            conn.close()
+            for fd in pipes.values():
+                os.close(fd)
+            raise
         finally:
             for fd in ends:
                 os.close(fd)
@@ -175,28 +239,33 @@ class ForkServer:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
-        for name in os.listdir(self._dir):
-            os.unlink(os.path.join(self._dir, name))
-        os.rmdir(self._dir)
+        shutil.rmtree(self._dir, ignore_errors=True)  # idempotent: a replaced server is closed again at exit
 
 
-_servers: dict[tuple[str, ...], ForkServer] = {}
+_servers: dict[tuple[tuple[str, ...], tuple[str | None, ...]], ForkServer] = {}
 _servers_lock = threading.Lock()
 
 
-def popen_preloaded(preload: Sequence[str], args: Sequence[str], **kwargs: Any) -> ForkedProcess:
-    """ForkServer.popen of this test process's server for preload, started at its first use, closed at exit."""
+def popen_preloaded(preload: Sequence[str], args: Sequence[str], *, per_rank: bool = False,
+                    env: Mapping[str, str] | None = None, **kwargs: Any) -> ForkedProcess:
+    """ForkServer.popen of this test process's server for preload (one per rank with per_rank), started at its
+    first use from that request's environment (replaced if it died), closed at exit."""
+    env = dict(os.environ if env is None else env)
+    key = (tuple(preload), tuple(env.get(name) for name in RANK_VARIABLES) if per_rank else ())
     with _servers_lock:
-        server = _servers.get(tuple(preload))
+        server = _servers.get(key)
+        if server is not None and not server.alive:
+            server.close()
+            server = None
         if server is None:
-            server = _servers[tuple(preload)] = ForkServer(preload)
+            server = _servers[key] = ForkServer(preload, env)
             atexit.register(server.close)
-    return server.popen(args, **kwargs)
+    return server.popen(args, env=env, **kwargs)
 
 
 def nemo_popen(args: Sequence[str], **kwargs: Any) -> ForkedProcess:
     """A rank forked with NeMo, Lightning, Megatron-core and torch imported (what launch_ranks' popen takes)."""
-    return popen_preloaded(NEMO_PRELOAD, args, **kwargs)
+    return popen_preloaded(NEMO_PRELOAD, args, per_rank=True, **kwargs)
 
 
 # The server side.
@@ -204,11 +273,11 @@ def nemo_popen(args: Sequence[str], **kwargs: Any) -> ForkedProcess:
 def _serve(listener: socket.socket) -> dict[str, Any]:
     """Accept requests until stdin closes; returns only in a forked rank, with its request."""
     while True:
-        readable = select.select([listener, sys.stdin], [], [], 1.0)[0]
+        readable = _readable([listener.fileno(), 0], 1.0)
         _reap_supervisors()
-        if sys.stdin in readable and not os.read(sys.stdin.fileno(), 4096):
+        if 0 in readable and not os.read(0, 4096):
             sys.exit(0)  # the test process closed our stdin, or died
-        if listener in readable:
+        if listener.fileno() in readable:
             conn, _ = listener.accept()
             request = _start_rank(listener, conn)
             if request is not None:
@@ -224,8 +293,11 @@ def _reap_supervisors() -> None:
 
 
 def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    conn.settimeout(30)
     data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 2)
     if len(fds) != 2 or len(data) < _HEADER:
+        for fd in fds:
+            os.close(fd)
         raise ForkServerError(f"malformed request: {len(data)} bytes, {len(fds)} descriptors")
     size = int.from_bytes(data[:_HEADER], "big")
     data = data[_HEADER:]
@@ -234,6 +306,7 @@ def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
         if not more:
             raise ForkServerError("the request ended early")
         data += more
+    conn.settimeout(None)
     return json.loads(data), fds
 
 
@@ -252,7 +325,8 @@ def _start_rank(listener: socket.socket, conn: socket.socket) -> dict[str, Any] 
         for fd in fds:
             os.close(fd)
         return None
-    try:  # the supervisor
+    rank = 0
+    try:  # the supervisor (and, after the next fork, the rank's set-up)
         listener.close()
         rank = os.fork()
         if rank == 0:
@@ -260,16 +334,27 @@ def _start_rank(listener: socket.socket, conn: socket.socket) -> dict[str, Any] 
             return request
         for fd in fds:
             os.close(fd)
-        conn.sendall(f"pid {rank}\n".encode())
+        try:
+            conn.sendall(f"pid {rank}\n".encode())
+        except OSError:  # the test process gave up waiting: nobody would reap or kill this rank
+            try:
+                os.kill(rank, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         status = os.waitpid(rank, 0)[1]
-        conn.sendall(f"exit {os.waitstatus_to_exitcode(status)}\n".encode())
-    except BaseException:  # noqa: BLE001 - the supervisor must never return into the server's loop
+        try:
+            conn.sendall(f"exit {os.waitstatus_to_exitcode(status)}\n".encode())
+        except OSError:
+            pass
+    except BaseException:  # noqa: BLE001 - neither may return into the server's loop
+        traceback.print_exc()  # the rank's stderr once _become_rank redirected it, else the server's
+        sys.stderr.flush()
         os._exit(1)
     os._exit(0)
 
 
 def _become_rank(request: dict[str, Any], fds: list[int], conn: socket.socket) -> None:
-    """Give this fork the rank's session, descriptors, directory, environment and argv."""
+    """Give this fork the rank's session, descriptors, directory, environment, argv and sys.path."""
     conn.close()
     if request["new_session"]:
         os.setsid()
@@ -281,8 +366,12 @@ def _become_rank(request: dict[str, Any], fds: list[int], conn: socket.socket) -
     for fd in set(fds):
         os.close(fd)
     os.chdir(request["cwd"])
+    server_pythonpath = os.environ.get("PYTHONPATH", "")
     os.environ.clear()
     os.environ.update(request["env"])
+    import multiprocessing
+
+    multiprocessing.current_process().authkey = os.urandom(32)  # as a fresh interpreter draws its own
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:  # OpenMP read it when torch loaded
         sys.modules["torch"].set_num_threads(int(threads))
@@ -292,12 +381,18 @@ def _become_rank(request: dict[str, Any], fds: list[int], conn: socket.socket) -
     else:
         sys.argv = [request["script"], *request["argv"]]
         sys.path[0] = os.path.dirname(request["script"])  # as `python script.py` has it
+    pythonpath = os.environ.get("PYTHONPATH", "")
+    if pythonpath != server_pythonpath:  # the interpreter puts PYTHONPATH's entries right after sys.path[0]
+        sys.path[1:1] = [os.path.abspath(entry) for entry in pythonpath.split(os.pathsep) if entry]
 
 
 def _main() -> None:
     path, preload = sys.argv[1], sys.argv[2:]
     for name in preload:
         importlib.import_module(name)
+    if threading.active_count() != 1:  # a fork would copy a lock another thread may hold
+        sys.exit(f"fork server: importing {preload} started Python threads {threading.enumerate()}; "
+                 "forking it is not safe")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
