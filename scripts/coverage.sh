@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Python line and branch coverage of the tests, child processes included (pyproject's [tool.coverage]:
-# patch = subprocess starts coverage in every Python process the tests start).
+# patch = subprocess starts coverage in every Python process the tests start, patch = fork in every rank
+# forked by the test fork servers). .ci/run runs it with the gate, in place of the plain pytest run.
 #
 # Usage: bash scripts/coverage.sh [pytest arguments]   (default: the whole suite)
 # Prints the line and branch figures and each module's; with FLASHPOINT_COVERAGE_GATE=1 it fails

@@ -23,7 +23,10 @@ def test_readme_starts_with_the_setup_and_the_test_command_that_ci_runs():
     assert commands[0].startswith("bash scripts/setup.sh && "), commands
     assert commands[1] == ".venv/bin/python -m pytest -q", commands
     ci = (REPO / ".ci" / "run").read_text()
-    assert "bash scripts/setup.sh" in ci and commands[1] in ci
+    # CI runs that command under coverage: scripts/coverage.sh runs the same pytest with the same interpreter
+    coverage_sh = (REPO / "scripts" / "coverage.sh").read_text()
+    assert "bash scripts/setup.sh" in ci and "bash scripts/coverage.sh" in ci
+    assert "py=.venv/bin/python" in coverage_sh and "$py -m coverage run -m pytest -q" in coverage_sh
 
 
 def test_docs_link_only_inside_the_repository():
