@@ -144,3 +144,22 @@ def test_a_dead_server_is_replaced_and_ranks_of_a_per_rank_server_see_their_rank
     second = fork_server.popen_preloaded(preload, [sys.executable, script, "exit", "5"], per_rank=True, env=env)
     assert second.wait(timeout=60) == 5
     assert fork_server._servers[(preload, ("1", "1", "2", "2"))] is not server
+
+
+def test_what_the_imports_set_in_the_environment_is_neither_compared_nor_lost(tmp_path, script):
+    """joblib (imported with NeMo) sets KMP_INIT_AT_FORK when imported, in the server and, later, in the test
+    process: a request made before or after that is served, and its rank sees the variable as its own import
+    would have left it."""
+    (tmp_path / "sets_env.py").write_text("import os\nos.environ.setdefault('KMP_FORK_TEST', 'FALSE')\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    env.pop("KMP_FORK_TEST", None)
+    server = ForkServer(preload=("sets_env",), env=env)
+    try:
+        assert server.set_by_imports == {"KMP_FORK_TEST": "FALSE"}
+        probe = "import os, sys; sys.exit(0 if os.environ.get('KMP_FORK_TEST') == 'FALSE' else 3)"
+        (tmp_path / "probe.py").write_text(probe)
+        for request_env in (env, dict(env, KMP_FORK_TEST="FALSE")):
+            proc = server.popen([sys.executable, str(tmp_path / "probe.py")], env=request_env)
+            assert proc.wait(timeout=60) == 0
+    finally:
+        server.close()

@@ -11,7 +11,8 @@ What differs from ``python script.py``, and how it is kept from mattering:
 - The preloaded modules were imported under the server's environment. A server is started with the
   environment of its first request; a request whose variables read at import (``TORCH_*``, ``NEMO_*``,
   ``PYTHON*``, thread counts...) differ from its server's is refused, except OMP_NUM_THREADS (applied with
-  torch.set_num_threads) and PYTHONPATH (its entries are put on sys.path). NeMo reads the rank at import
+  torch.set_num_threads), PYTHONPATH (its entries are put on sys.path) and what the preloaded imports set
+  themselves (a rank gets those, as its own imports would have set them). NeMo reads the rank at import
   (its logger's rank 0), so NeMo ranks get a server per rank (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE),
   which also gives each rank its own string-hash seed; torch and Megatron read no rank at import.
 - A rank inherits the server's open descriptors and its multiprocessing authkey is replaced.
@@ -169,10 +170,13 @@ class ForkServer:
         assert self._proc.stdout is not None
         ready = _readable([self._proc.stdout.fileno()], timeout)
         line = self._proc.stdout.readline() if ready else b""
-        if line.strip() != b"ready":
+        if not line.startswith(b"ready "):
             self.close()
             raise ForkServerError(f"the fork server for {list(preload)} did not start within {timeout:.0f} s: "
                                   f"{line!r} (its stderr is above)")
+        # What its imports put into its environment (e.g. joblib's KMP_INIT_AT_FORK): a fresh process would
+        # have done the same, so these are not compared and a rank gets them unless its request sets them.
+        self.set_by_imports: dict[str, str] = json.loads(line[len(b"ready "):])
 
     @property
     def alive(self) -> bool:
@@ -189,7 +193,7 @@ class ForkServer:
         env = dict(os.environ if env is None else env)
         differ = sorted(name for name in set(env) | set(self.env)
                         if name.startswith(_IMPORT_TIME_PREFIXES) and name not in _APPLIED_AFTER_FORK
-                        and env.get(name) != self.env.get(name))
+                        and name not in self.set_by_imports and env.get(name) != self.env.get(name))
         if differ:
             raise ForkServerError(f"{differ} differ from the fork server's environment and are read at start-up "
                                   "or import: start this process with subprocess.Popen instead")
@@ -201,6 +205,7 @@ class ForkServer:
         out = self._stream(stdout, 1, "stdout", pipes, ends)
         err = out if stderr == subprocess.STDOUT else self._stream(stderr, 2, "stderr", pipes, ends)
         module = args[1] == "-m"
+        env = {**self.set_by_imports, **env}
         request = json.dumps({"module": args[2] if module else None,
                               "script": None if module else os.path.abspath(args[1]),
                               "argv": list(args[3:] if module else args[2:]), "env": env, "cwd": cwd,
@@ -388,8 +393,10 @@ def _become_rank(request: dict[str, Any], fds: list[int], conn: socket.socket) -
 
 def _main() -> None:
     path, preload = sys.argv[1], sys.argv[2:]
+    before = dict(os.environ)
     for name in preload:
         importlib.import_module(name)
+    set_by_imports = {name: value for name, value in os.environ.items() if before.get(name) != value}
     if threading.active_count() != 1:  # a fork would copy a lock another thread may hold
         sys.exit(f"fork server: importing {preload} started Python threads {threading.enumerate()}; "
                  "forking it is not safe")
@@ -397,7 +404,7 @@ def _main() -> None:
     listener.bind(path)
     listener.listen(64)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C in the terminal is the test process's to handle
-    print("ready", flush=True)
+    print("ready", json.dumps(set_by_imports), flush=True)
     request = _serve(listener)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     import runpy
