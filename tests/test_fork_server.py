@@ -163,3 +163,18 @@ def test_what_the_imports_set_in_the_environment_is_neither_compared_nor_lost(tm
             assert proc.wait(timeout=60) == 0
     finally:
         server.close()
+
+
+def test_a_server_is_replaced_when_this_process_environment_changed_but_a_request_overriding_it_is_refused(
+        script, monkeypatch):
+    preload = ("json", "tests.support.fork_server", "tests")
+    assert fork_server.popen_preloaded(preload, [sys.executable, script, "exit", "0"]).wait(timeout=60) == 0
+    first = fork_server._servers[(preload, ())]
+    monkeypatch.setenv("KMP_FORK_DRIFT", "FALSE")  # as a library imported here later would
+    proc = fork_server.popen_preloaded(preload, [sys.executable, script, "report"], stdout=subprocess.PIPE,
+                                       text=True)
+    assert proc.communicate(timeout=60)[0] and proc.returncode == 0
+    assert fork_server._servers[(preload, ())] is not first and not first.alive
+    with pytest.raises(ForkServerError, match="KMP_FORK_DRIFT"):
+        fork_server.popen_preloaded(preload, [sys.executable, script, "report"],
+                                    env=dict(os.environ, KMP_FORK_DRIFT="TRUE"))

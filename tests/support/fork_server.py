@@ -191,9 +191,7 @@ class ForkServer:
         if len(args) < 2 or args[0] != sys.executable or (args[1] == "-m" and len(args) < 3):
             raise ValueError(f"the fork server runs `{sys.executable} script|-m module ...` only, not {list(args)}")
         env = dict(os.environ if env is None else env)
-        differ = sorted(name for name in set(env) | set(self.env)
-                        if name.startswith(_IMPORT_TIME_PREFIXES) and name not in _APPLIED_AFTER_FORK
-                        and name not in self.set_by_imports and env.get(name) != self.env.get(name))
+        differ = self.import_time_differences(env)
         if differ:
             raise ForkServerError(f"{differ} differ from the fork server's environment and are read at start-up "
                                   "or import: start this process with subprocess.Popen instead")
@@ -223,6 +221,17 @@ class ForkServer:
             for fd in ends:
                 os.close(fd)
         return ForkedProcess(conn, timeout, pipes, text)
+
+    def import_time_differences(self, env: Mapping[str, str]) -> list[str]:
+        """The variables read at start-up or import whose value in env differs from the one the server's imports
+        ran under (a variable those imports set counts as equal when env does not set it: the rank gets it)."""
+        def differs(name: str) -> bool:
+            if name in self.set_by_imports:
+                return name in env and env[name] != self.set_by_imports[name]
+            return env.get(name) != self.env.get(name)
+
+        return sorted(name for name in set(env) | set(self.env)
+                      if name.startswith(_IMPORT_TIME_PREFIXES) and name not in _APPLIED_AFTER_FORK and differs(name))
 
     @staticmethod
     def _stream(stream: IO[Any] | int | None, default: int, name: str, pipes: dict[str, int], ends: list[int]) -> int:
@@ -254,13 +263,20 @@ _servers_lock = threading.Lock()
 def popen_preloaded(preload: Sequence[str], args: Sequence[str], *, per_rank: bool = False,
                     env: Mapping[str, str] | None = None, **kwargs: Any) -> ForkedProcess:
     """ForkServer.popen of this test process's server for preload (one per rank with per_rank), started at its
-    first use from that request's environment (replaced if it died), closed at exit."""
+    first use from that request's environment, closed at exit. It is replaced when it died, and when this test
+    process's own environment has changed since in a variable read at import (e.g. by a library imported here
+    later: joblib sets KMP_INIT_AT_FORK), so that its ranks import under the environment they are given; a
+    request that sets such a variable to something else than this process has is refused (ForkServer.popen)."""
     env = dict(os.environ if env is None else env)
     key = (tuple(preload), tuple(env.get(name) for name in RANK_VARIABLES) if per_rank else ())
     with _servers_lock:
         server = _servers.get(key)
         if server is not None and not server.alive:
             server.close()
+            server = None
+        drifted = server.import_time_differences(env) if server is not None else []
+        if drifted and all(env.get(name) == os.environ.get(name) for name in drifted):
+            server.close()  # type: ignore[union-attr]
             server = None
         if server is None:
             server = _servers[key] = ForkServer(preload, env)
