@@ -253,6 +253,8 @@ class ForkServer:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
+        if self._proc.stdout is not None:
+            self._proc.stdout.close()
         shutil.rmtree(self._dir, ignore_errors=True)  # idempotent: a replaced server is closed again at exit
 
 
