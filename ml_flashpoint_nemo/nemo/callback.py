@@ -265,7 +265,7 @@ class FlashpointCallback(Callback):
                 return
             if any(late for _, late in everyone):
                 if not dist.is_initialized() or dist.get_rank() == 0:
-                    logger.warning("Replication of the last RAM checkpoint still runs after %.0f s on ranks %s; "
+                    logger.warning("Replication of the last RAM checkpoint still runs after %.1f s on ranks %s; "
                                    "training ends anyway, and what they still push is refused by the ranks that "
                                    "exit", LAST_PUSHES_WAIT_S, [r for r, (done, _) in enumerate(everyone) if not done])
                 return

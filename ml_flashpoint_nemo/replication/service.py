@@ -32,7 +32,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -407,29 +407,27 @@ class ReplicationService:
             failed = [st.step for st in self._status.values() if st.state == UNDER_REPLICATED]
         return newest, any(newest is None or step > newest for step in failed)
 
-    def wait_for_pushes(self, timeout: float) -> bool:
-        """Wait (bounded) until no version is queued or being pushed; True if none is left.
-
-        For the end of training: a rank's transfer server must outlive its peers' pushes of the last version.
-        """
+    def _wait_until(self, settled: Callable[[], bool], timeout: float) -> bool:
+        """Wait on the condition variable (bounded) until settled() or replication is off; True if it settled."""
         deadline = time.monotonic() + timeout
         with self._cv:
-            while self.enabled and any(status.state == PENDING for status in self._status.values()):
+            while self.enabled and not settled():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
                 self._cv.wait(left)
         return True
 
+    def wait_for_pushes(self, timeout: float) -> bool:
+        """Wait (bounded) until no version is queued or being pushed; True if none is left.
+
+        For the end of training: a rank's transfer server must outlive its peers' pushes of the last version.
+        """
+        return self._wait_until(lambda: all(status.state != PENDING for status in self._status.values()), timeout)
+
     def wait(self, step: int, timeout: float) -> ReplicationStatus:
         """Wait (bounded) until step is no longer pending; for tests and tools, never called by a save."""
-        deadline = time.monotonic() + timeout
-        with self._cv:
-            while self.enabled and self._status.get(step, ReplicationStatus(step, UNKNOWN)).state == PENDING:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._cv.wait(left)
+        self._wait_until(lambda: self._status.get(step, ReplicationStatus(step, UNKNOWN)).state != PENDING, timeout)
         return self.replication_status(step)
 
     def keep_for_next_save(self, keep: int) -> int:

@@ -50,6 +50,8 @@ def main() -> None:
     parser.add_argument("--filler", default=None)
     parser.add_argument("--delay-pushes-of-rank", type=int, default=None,
                         help="this rank starts each replication push 3 s late (a slow peer at the end of training)")
+    parser.add_argument("--last-pushes-wait-s", type=float, default=None,
+                        help="the job-wide bound on waiting for the last pushes at the end of training")
     args = parser.parse_args()
     args.base = args.base.replace("{rank}", os.environ.get("RANK", "0"))
     sys.path.insert(0, str(EXAMPLES))
@@ -139,6 +141,10 @@ def main() -> None:
             return push_version(self, step)
 
         ReplicationService._push_version = late_push  # type: ignore[method-assign]
+    if args.last_pushes_wait_s is not None:
+        import ml_flashpoint_nemo.nemo.callback as flashpoint_callback
+
+        flashpoint_callback.LAST_PUSHES_WAIT_S = args.last_pushes_wait_s
 
     recorder = tiny_gpt.LossRecorder()
     callbacks: list[Any] = [recorder] + ([KillAfter()] if args.kill_at else [])
