@@ -1,4 +1,4 @@
-"""Outcomes of background writes carried to finalize (megatron/worker_reports.py)."""
+"""Outcomes of background writes (core/save_worker.py) carried to finalize (megatron/worker_reports.py)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import queue
 
 import pytest
 
-from ml_flashpoint_nemo.core.saver import SealJob
+from ml_flashpoint_nemo.core.save_worker import seal_and_report
+from ml_flashpoint_nemo.core.seal import SealJob
 from ml_flashpoint_nemo.core.sync_manager import shutdown_manager, start_manager_warmup, wait_for_manager
 from ml_flashpoint_nemo.errors import FlashpointError
 from ml_flashpoint_nemo.megatron import worker_reports
-from ml_flashpoint_nemo.megatron.worker_reports import WorkerReports, seal_and_report
+from ml_flashpoint_nemo.megatron.worker_reports import WorkerReports
 
 MISSING_OBJECT = SealJob(path="/nonexistent/flashpoint-object", rank=0, plan=None, crcs=None,  # type: ignore[arg-type]
                          checksum=True)

@@ -14,13 +14,10 @@ import torch
 
 from ml_flashpoint_nemo import _core
 from ml_flashpoint_nemo.core.format import (
-    FLAG_NO_DATA_CRC,
-    FLAG_ZERO_PADDING,
     HEADER_NBYTES,
     LARGE_RECORD_ALIGNMENT,
     CommitRecord,
     IndexEntry,
-    ObjectHeader,
     ObjectPlan,
     ObjectRecord,
     plan_object,
@@ -28,10 +25,11 @@ from ml_flashpoint_nemo.core.format import (
 from ml_flashpoint_nemo.core.gc_pause import gc_paused
 from ml_flashpoint_nemo.core.layout import CheckpointLayout, object_name
 from ml_flashpoint_nemo.core.pool import BufferPool, raise_if_out_of_space
+from ml_flashpoint_nemo.core.seal import SealJob, read_sealed_checksum, seal_object
 from ml_flashpoint_nemo.core.tuning import default_copy_threads
 from ml_flashpoint_nemo.core.values import PreparedValue, TensorColumns, prepare_state, tensor_columns
 from ml_flashpoint_nemo.core.versions import retire_superseded, retire_version, write_commit
-from ml_flashpoint_nemo.errors import CorruptCheckpointError, FormatVersionError, VersionExistsError
+from ml_flashpoint_nemo.errors import VersionExistsError
 
 logger = logging.getLogger(__name__)
 
@@ -356,18 +354,6 @@ class CheckpointSaver:
         self.close()
 
 
-@dataclass(frozen=True)
-class SealJob:
-    """Everything needed to finish a staged object from any process: picklable, addressed by path."""
-
-    path: str
-    rank: int
-    plan: ObjectPlan
-    crcs: list[int] | None  # None: compute the data CRCs from the file
-    checksum: bool
-    padding_zeroed: bool = False  # every gap of the layout was zeroed while staging
-
-
 @dataclass
 class StagedObject:
     """An object whose data sits in a pool buffer; sealing writes its index and header."""
@@ -376,57 +362,3 @@ class StagedObject:
     buffer: _core.ShmBuffer
     seal_job: SealJob
     data_nbytes: int
-
-
-def seal_object(job: SealJob, threads: int = 1) -> None:
-    """Write a staged object's index and then its header (computing data CRCs first if needed).
-
-    Runs in the saving process or in a background worker process; it touches only the
-    object's file. The header goes last, so a valid header means a complete object.
-    """
-    plan = job.plan
-    fd = os.open(job.path, os.O_RDWR | os.O_CLOEXEC)
-    try:
-        crcs = job.crcs
-        if crcs is None:
-            ranges = array.array("Q")
-            for entry in plan.entries:
-                ranges.extend((entry.offset, entry.nbytes))
-            crcs = _core.checksum_file_ranges(fd, ranges, threads)
-        index = plan.index.fill(crcs if job.checksum else [0] * len(plan.entries))
-        header = ObjectHeader(
-            object_nbytes=plan.object_nbytes,
-            index_offset=plan.index_offset,
-            index_nbytes=len(index),
-            index_crc32c=_core.crc32c(index),
-            record_count=len(plan.entries),
-            writer_rank=job.rank,
-            flags=(0 if job.checksum else FLAG_NO_DATA_CRC) | (FLAG_ZERO_PADDING if job.padding_zeroed else 0),
-        ).encode()
-        os.pwrite(fd, index, plan.index_offset)
-        os.pwrite(fd, header, 0)
-    finally:
-        os.close(fd)
-
-
-def read_sealed_checksum(job: SealJob) -> int:
-    """The object's checksum for the commit record, read back; fails if sealing did not complete."""
-    plan = job.plan
-    fd = os.open(job.path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        header_bytes = os.pread(fd, HEADER_NBYTES, 0)
-        try:
-            header = ObjectHeader.decode(header_bytes, job.path)
-        except (CorruptCheckpointError, FormatVersionError) as exc:  # our own header: any other version is damage
-            raise CorruptCheckpointError(
-                f"the object staged in {job.path} was never sealed: its background write failed or was killed "
-                "(see that worker's log). The save was abandoned; earlier versions are intact."
-            ) from exc
-        if header.object_nbytes != plan.object_nbytes or header.index_offset != plan.index_offset:
-            raise CorruptCheckpointError(f"the object sealed in {job.path} does not match the layout it was staged with")
-        index = os.pread(fd, header.index_nbytes, header.index_offset)
-        if _core.crc32c(index) != header.index_crc32c:
-            raise CorruptCheckpointError(f"the index sealed in {job.path} fails its checksum")
-        return _core.crc32c(index, _core.crc32c(header_bytes))
-    finally:
-        os.close(fd)

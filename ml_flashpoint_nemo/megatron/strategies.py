@@ -60,6 +60,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ml_flashpoint_nemo.core import lifecycle
 from ml_flashpoint_nemo.core.gc_pause import without_gc
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
+from ml_flashpoint_nemo.core.save_worker import seal_and_report
 from ml_flashpoint_nemo.core.saver import CheckpointSaver, StagedObject
 from ml_flashpoint_nemo.core.sync_manager import (
     SyncManagerFuture,
@@ -92,7 +93,7 @@ from ml_flashpoint_nemo.dcp.writer import (
     write_results,
 )
 from ml_flashpoint_nemo.errors import CorruptCheckpointError, FlashpointError, ManagerStartError
-from ml_flashpoint_nemo.megatron.worker_reports import WorkerReports, seal_and_report
+from ml_flashpoint_nemo.megatron.worker_reports import WorkerReports
 
 if TYPE_CHECKING:  # the service is imported at the first save (it loads the transfer machinery)
     from ml_flashpoint_nemo.replication.service import ReplicationConfig, ReplicationService

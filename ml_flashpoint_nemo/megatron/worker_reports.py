@@ -1,4 +1,4 @@
-"""Outcomes of background object writes, carried from Megatron's async worker to the trainer's finalize.
+"""Outcomes of background object writes (core/save_worker.py's seal_and_report), carried to the trainer's finalize.
 
 Several saves can be in flight (Megatron forks one worker per save, or queues them on its
 persistent worker), and their workers report into one Manager queue in any order. The
@@ -9,43 +9,15 @@ buffer, and so an object path, is reused by later saves).
 
 from __future__ import annotations
 
-import os
 import queue as queue_module
-import sys
 from collections import OrderedDict
 from typing import Any
 
-from ml_flashpoint_nemo.core.parent_death import tie_to_parent
-from ml_flashpoint_nemo.core.saver import SealJob, seal_object
 from ml_flashpoint_nemo.errors import FlashpointError
 
 # Reports whose finalize never comes (a save abandoned by an abort) must not pile up forever;
 # far more than the saves Megatron ever keeps in flight.
 MAX_UNCLAIMED_REPORTS = 256
-
-
-def seal_and_report(job: SealJob, threads: int, report_queue: Any, token: str, trainer_pid: int) -> None:
-    """The AsyncRequest's function: seal the staged object, then report the outcome under token; never raises.
-
-    Runs in the trainer (sync saves), in a forked worker or in Megatron's persistent
-    spawned worker; the trainer's finalize reads the report. A worker process ties its life
-    to the trainer first: Megatron's persistent worker would otherwise outlive a SIGKILLed
-    trainer, holding its memory across an in-job restart.
-    """
-    if os.getpid() != trainer_pid:
-        tie_to_parent(trainer_pid, watchdog_name="flashpoint-save-worker-watchdog")
-    try:
-        seal_object(job, threads)
-        outcome = None
-    except BaseException as exc:  # noqa: BLE001 - reported to the trainer, raised there on every rank
-        outcome = f"{type(exc).__name__}: {exc}"
-    try:
-        report_queue.put((token, outcome))
-    except Exception as exc:  # noqa: BLE001 - the Manager is gone: finalize reports "ended without reporting"
-        # Raising would end Megatron's persistent worker loop before it signals completion, and its
-        # blocking finalize would then wait forever.
-        print(f"flashpoint: the background write could not report its outcome ({outcome or 'sealed'}): "
-              f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
 
 
 class WorkerReports:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -293,16 +295,16 @@ def close_commits_the_saves_after_a_failed_one(p: dict[str, Any]) -> None:
 def hung_worker_fails_its_save_within_the_timeout(p: dict[str, Any]) -> None:
     """Rank 1's forked worker of step 2 hangs forever: the blocking finalize must end within worker_timeout_s
     with the save failed on every rank, the worker stopped, and the next save committed."""
-    from ml_flashpoint_nemo.megatron import worker_reports
+    from ml_flashpoint_nemo.core import save_worker
 
     io = nemo_io(p, persistent_worker=False, worker_timeout_s=5)
     save_through(io, p, 1)
     io.finalize_flashpoint(blocking=True)
-    sealing = worker_reports.seal_object
+    sealing = save_worker.seal_object
     if dist.get_rank() == 1:
-        worker_reports.seal_object = lambda job, threads: time.sleep(3600)  # inherited by the forked worker
+        save_worker.seal_object = lambda job, threads: time.sleep(3600)  # inherited by the forked worker
     save_through(io, p, 2)
-    worker_reports.seal_object = sealing
+    save_worker.seal_object = sealing
     worker_pid = io.flashpoint_queue.async_calls[0].async_caller.process.pid
     started = time.monotonic()
     io.finalize_flashpoint(blocking=True)
@@ -315,18 +317,25 @@ def hung_worker_fails_its_save_within_the_timeout(p: dict[str, Any]) -> None:
 def saves_fork_until_the_persistent_worker_is_up(p: dict[str, Any]) -> None:
     """The IO starts its persistent worker at set-up; a save made while it boots forks a worker of its own,
     the saves after it is up run on it; all finalize in order, the newest loads bit-exactly, close stops it."""
+    from tests.support.exit_hooks import boot_once_path_exists
+
     io = nemo_io(p)
     queue = io.flashpoint_queue
+    booted = Path(tempfile.mkdtemp(prefix="boot-worker-")) / "go"
+    queue._boot_hook = functools.partial(boot_once_path_exists, str(booted))  # held until step 1 was scheduled
     io.start_worker()  # what it costs the trainer: benchmarks/bench_adapters.py, worker_start_seconds
     callers = []
     for step in (1, 2, 3):
-        save_through(io, p, step)  # step 1: milliseconds after the start, the worker is still booting
+        save_through(io, p, step)  # step 1: the worker is still booting
         callers.append(type(queue.async_calls[-1].async_caller).__name__)
         if step == 1:
+            booted.touch()
             assert queue.worker_ready(timeout=120), "the persistent worker did not come up"
             dist.barrier()
     print("CALLERS", " ".join(callers), flush=True)
     worker = queue.persistent_caller.process.pid
+    maps = Path(f"/proc/{worker}/maps").read_text()  # after two saves ran on it
+    print("WORKER LOADED TORCH", "libtorch" in maps, "EXTENSION", "_core.cpython" in maps, flush=True)
     close_and_report(io, p, loaded_step=3)
     print("WORKER GONE", wait_gone(worker, 10), flush=True)
 
