@@ -318,6 +318,77 @@ def test_whole_object_crc_is_none_for_objects_without_zeroed_padding_and_checks_
         os.close(fd)
 
 
+def fetched_object(base_dir, **saver_options) -> tuple:
+    """(path, record) of a single-object version, as recovery has it once fetched from the holder's own object:
+    a pool buffer, 4 MiB longer than the object (a replica is exactly as long)."""
+    with CheckpointSaver(base_dir, **saver_options) as saver:
+        saver.save(1, {"w": torch.randn(1 << 21), "b": torch.randn(33)})
+    record = read_commit(CheckpointLayout(base_dir), 1).objects[0]
+    return CheckpointLayout(base_dir).object_path(1, record.name), record
+
+
+@pytest.fixture
+def full_reads(monkeypatch):
+    """Counts recovery's full verification passes over fetched objects (the real one still runs)."""
+    from ml_flashpoint_nemo.replication import recovery
+
+    calls = []
+    full = recovery.verify_object
+
+    def counted(path, record):
+        calls.append(path)
+        return full(path, record)
+
+    monkeypatch.setattr(recovery, "verify_object", counted)
+    return calls
+
+
+def test_a_fetched_object_is_verified_from_its_received_crc_without_reading_its_data(base_dir, full_reads):
+    from ml_flashpoint_nemo.replication.recovery import verify_fetched_object
+
+    path, record = fetched_object(base_dir)
+    assert os.path.getsize(path) > record.nbytes
+    verify_fetched_object(path, record, whole_file_crc(path, os.path.getsize(path)))
+    os.truncate(path, record.nbytes)  # as a replica is
+    verify_fetched_object(path, record, whole_file_crc(path, record.nbytes))
+    assert full_reads == []
+    verify_fetched_object(path, record, whole_file_crc(path, record.nbytes) ^ 1)  # the CRCs disagree: read it all
+    assert full_reads == [path]
+
+
+def test_a_fetched_object_with_a_damaged_record_fails_by_key_although_its_crc_was_received_intact(base_dir, full_reads):
+    """The bytes received are the peer's damaged copy: the received CRC is theirs, the index says otherwise."""
+    from ml_flashpoint_nemo.errors import ChecksumError
+    from ml_flashpoint_nemo.replication.recovery import verify_fetched_object
+
+    path, record = fetched_object(base_dir)
+    with open(path, "r+b") as handle:
+        entry = next(e for e in open_object_entries(path, record) if e.key == "w")
+        handle.seek(entry.offset + 5)
+        byte = handle.read(1)
+        handle.seek(entry.offset + 5)
+        handle.write(bytes([byte[0] ^ 0x10]))
+    with pytest.raises(ChecksumError, match="key 'w' .* fails its CRC32C"):
+        verify_fetched_object(path, record, whole_file_crc(path, os.path.getsize(path)))
+    assert full_reads == [path]
+
+
+@pytest.mark.parametrize("options", [{"checksum": False}], ids=["no-checksums"])
+def test_a_fetched_object_whose_crc_does_not_follow_from_its_index_is_read_in_full(base_dir, full_reads, options):
+    from ml_flashpoint_nemo.replication.recovery import verify_fetched_object
+
+    path, record = fetched_object(base_dir, **options)
+    verify_fetched_object(path, record, whole_file_crc(path, os.path.getsize(path)))
+    assert full_reads == [path]
+
+
+def open_object_entries(path, record) -> list:
+    from ml_flashpoint_nemo.core.loader import open_object
+
+    with open_object(str(path), record) as obj:
+        return list(obj.entries)
+
+
 @pytest.mark.parametrize("steps, committed, keep, expected", [
     ([], [], 1, []),
     ([1, 2, 3], [], 1, []),  # nothing committed: every directory may be a save in progress
