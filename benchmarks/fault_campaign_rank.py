@@ -210,8 +210,9 @@ def step_argument_of(method: Callable[..., Any]) -> Callable[..., int]:
 
 def install_fault(fault: dict[str, Any], p: dict[str, Any], peer_pids: list[int]) -> None:
     """Arm this rank's fault (only the faulted rank calls this)."""
+    from ml_flashpoint_nemo.core import save_worker
     from ml_flashpoint_nemo.dcp import writer as dcp_writer
-    from ml_flashpoint_nemo.megatron import strategies, worker_reports
+    from ml_flashpoint_nemo.megatron import strategies
     from ml_flashpoint_nemo.replication.service import ReplicationService
 
     kind = fault["kind"]
@@ -219,7 +220,7 @@ def install_fault(fault: dict[str, Any], p: dict[str, Any], peer_pids: list[int]
     if kind == "kill_stage":
         wrap(strategies._StagingWriter, "_stage", fault)
     elif kind == "kill_write" and p["worker"] == "fork":
-        wrap(worker_reports, "seal_object", fault)
+        wrap(save_worker, "seal_object", fault)
     elif kind == "kill_write":
         pass  # a spawned worker does not see patches: the request of the fault's step carries it (main)
     elif kind == "kill_commit":

@@ -82,6 +82,17 @@ def test_closing_the_nemo_io_commits_the_save_queued_behind_a_failed_one(base_di
         assert "COMMITTED [2]" in output, output
 
 
+def test_a_save_staged_on_no_rank_but_one_does_not_hold_up_the_persistent_worker(base_dir):
+    """Megatron's persistent caller never completes a call without a function: the failed save waited out the
+    worker timeout (60 s here) and took the completion of the save after it."""
+    outputs = run_world("megatron_scenarios", "staging_fails_on_one_rank_before_its_persistent_worker", 2,
+                        {"base": str(base_dir)}, timeout=150)
+    for output in outputs:
+        assert "OUTCOMES 1:failed 2:ok" in output and "COMMITTED [2]" in output, output
+        closed = int(re.search(r"CLOSED in (\d+) s", output).group(1))
+        assert closed < 30, output
+
+
 def test_a_dead_persistent_worker_fails_its_save_everywhere_instead_of_hanging(base_dir):
     outputs = run_world("megatron_scenarios", "dead_persistent_worker_drops_its_saves_everywhere", 2,
                         {"base": str(base_dir)}, timeout=150)

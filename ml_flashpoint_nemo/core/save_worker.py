@@ -28,7 +28,7 @@ class SaveCall(NamedTuple):
     """One background call, as it travels to the worker: only picklable plain parts, no Megatron type."""
 
     call_idx: int
-    fn: Callable[..., Any]
+    fn: Callable[..., Any] | None  # None: nothing to run, only to complete in order (a rank whose staging failed)
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
 
@@ -77,7 +77,8 @@ def serve(trainer_pid: int, ready: multiprocessing.synchronize.Event, boot_hook:
             calls.task_done()
             return
         try:
-            call.fn(*call.args, **call.kwargs)
+            if call.fn is not None:
+                call.fn(*call.args, **call.kwargs)
         except Exception:  # noqa: BLE001 - the worker serves the next save; its finalize reports this one
             logger.exception("Rank %d: a background save call failed in the persistent worker", rank)
         completions.put(call.call_idx)

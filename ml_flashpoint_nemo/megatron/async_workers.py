@@ -51,12 +51,19 @@ class LeanPersistentCaller(PersistentAsyncCaller):
     """
 
     def schedule_async_call(self, async_req: AsyncRequest) -> None:
-        if async_req.async_fn is None:
-            return  # nothing to run (Megatron's caller skips these too)
-        if async_req.preload_fn is not None or self.process is None:
-            raise TypeError("the flashpoint save worker runs started, preload-free calls only; this request has "
-                            f"preload_fn={async_req.preload_fn!r} and worker {self.process!r}")
-        self.queue.put(SaveCall(async_req.call_idx, async_req.async_fn, tuple(async_req.async_fn_args),
+        """Queue the call for the worker, even one without a function (a rank whose staging failed).
+
+        Megatron's caller skips a call without a function, yet still counts it in flight: the worker
+        never completes it, the call waits out worker_timeout_s, and the next call's completion is taken
+        for it. Here the worker completes it in order without running anything. A worker stopped
+        meanwhile (an abort from another thread) gets nothing: the call then reads as ended without
+        a report and its save fails on every rank, as a save on a dead worker does.
+        """
+        if async_req.preload_fn is not None:  # the same on every rank: our requests never carry one
+            raise TypeError(f"the flashpoint save worker runs preload-free calls only, not {async_req!r}")
+        if self.process is None:
+            return
+        self.queue.put(SaveCall(async_req.call_idx, async_req.async_fn, tuple(async_req.async_fn_args or ()),
                                 dict(async_req.async_fn_kwargs or {})))
 
 

@@ -292,6 +292,32 @@ def close_commits_the_saves_after_a_failed_one(p: dict[str, Any]) -> None:
     check_loaded(load(p, 2), 2)
 
 
+def staging_fails_on_one_rank_before_its_persistent_worker(p: dict[str, Any]) -> None:
+    """Rank 1's staging of step 1 fails (its worker gets a call with nothing to run) and step 2 follows at once:
+    both finalize in order without waiting out worker_timeout_s; step 1 failed everywhere, step 2 committed."""
+    from ml_flashpoint_nemo.megatron import strategies
+
+    io = nemo_io(p, worker_timeout_s=60)
+    io.start_worker()
+    assert io.flashpoint_queue.worker_ready(timeout=120), "the persistent worker did not come up"
+    dist.barrier()
+    stage = strategies._StagingWriter._stage
+
+    def stage_failing_step_1(self: Any, plan: Any, planner: Any) -> None:
+        if dist.get_rank() == 1 and self.step == 1:
+            raise OSError("injected: no room to stage step 1")
+        stage(self, plan, planner)
+
+    strategies._StagingWriter._stage = stage_failing_step_1  # type: ignore[method-assign]
+    for step in (1, 2):
+        save_through(io, p, step)
+    started = time.monotonic()
+    io.close(finalize=True)
+    print(f"CLOSED in {time.monotonic() - started:.0f} s", flush=True)
+    print_outcomes(io, p)
+    check_loaded(load(p, 2), 2)
+
+
 def hung_worker_fails_its_save_within_the_timeout(p: dict[str, Any]) -> None:
     """Rank 1's forked worker of step 2 hangs forever: the blocking finalize must end within worker_timeout_s
     with the save failed on every rank, the worker stopped, and the next save committed."""
@@ -334,6 +360,7 @@ def saves_fork_until_the_persistent_worker_is_up(p: dict[str, Any]) -> None:
             dist.barrier()
     print("CALLERS", " ".join(callers), flush=True)
     worker = queue.persistent_caller.process.pid
+    io.finalize_flashpoint(blocking=True)
     maps = Path(f"/proc/{worker}/maps").read_text()  # after two saves ran on it
     print("WORKER LOADED TORCH", "libtorch" in maps, "EXTENSION", "_core.cpython" in maps, flush=True)
     close_and_report(io, p, loaded_step=3)
@@ -372,7 +399,11 @@ def worker_dead_while_booting_leaves_saves_to_forks(p: dict[str, Any]) -> None:
     """Rank 1's persistent worker dies before it is up (killed at boot): rank 1's saves fork a worker each
     from then on, rank 0's run on its worker, and none fails (no save was ever given to the dead worker)."""
     logging.getLogger("ml_flashpoint_nemo").addHandler(logging.StreamHandler(sys.stdout))  # the warning, to assert
+    from tests.support.exit_hooks import hang_ignoring_sigterm
+
     io = nemo_io(p)
+    if dist.get_rank() == 1:  # its boot never ends: the kill below comes while it boots, however slow this rank is
+        io.flashpoint_queue._boot_hook = hang_ignoring_sigterm
     io.start_worker()
     if dist.get_rank() == 1:
         kill_persistent_worker(io)
@@ -541,6 +572,7 @@ if __name__ == "__main__":
                                            common_state_on_every_node, failed_node_copy_fails_every_rank, choose,
                                            choose_after_verifying_ahead,
                                            close_commits_the_saves_after_a_failed_one,
+                                           staging_fails_on_one_rank_before_its_persistent_worker,
                                            dead_persistent_worker_drops_its_saves_everywhere,
                                            saves_fork_until_the_persistent_worker_is_up,
                                            worker_dead_while_booting_leaves_saves_to_forks,
