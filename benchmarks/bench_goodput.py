@@ -37,8 +37,8 @@ RAM and durable) and trains --restart-steps more. Per configuration it reports:
 The durable restore reads a just-written checkpoint, i.e. from the page cache; --durable-cache cold
 evicts its files first (fsync + posix_fadvise DONTNEED, no root needed, no other file touched).
 
-BENCH_GOODPUT_PROFILE=<dir> writes a cProfile of every RAM save of each rank, and of each restart's restore
-(resume_start .. resume_end), into <dir>.
+BENCH_GOODPUT_PROFILE=<dir> writes a cProfile of every RAM save of each rank, of each restart's restore
+(resume_start .. resume_end) and of what follows it up to the end of the first step, into <dir>.
 
 Sizes: the full training state (fp32 weights + Adam's two moments) is >= --size GiB (default 1).
 
@@ -196,6 +196,11 @@ def run_rank(args: argparse.Namespace) -> None:
             self.cpu.append(time.process_time())
             if "first_step" not in marks:
                 marks["first_step"] = time.time()
+                if first_step_profile:
+                    first_step_profile[0].disable()
+                    first_step_profile[0].dump_stats(Path(os.environ[PROFILE_VARIABLE])
+                                                     / f"first_step_{config}_rank{rank}.prof")
+                    first_step_profile.clear()
             if phase == "train" and config != "a" and trainer.global_step == args.steps:
                 io = trainer.strategy.checkpoint_io
                 if hasattr(io, "maybe_finalize_save_checkpoint"):
@@ -274,6 +279,7 @@ def run_rank(args: argparse.Namespace) -> None:
     paths: dict[str, str] = {}
     reloads: dict[str, Any] = {}
     restore_profile: list[Any] = []  # the cProfile of the restore, with BENCH_GOODPUT_PROFILE
+    first_step_profile: list[Any] = []  # then from the restore's end to the end of the first step
 
     def resume_start(original: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*a: Any, **k: Any) -> Any:
@@ -305,6 +311,10 @@ def run_rank(args: argparse.Namespace) -> None:
                     restore_profile[0].disable()
                     restore_profile[0].dump_stats(Path(os.environ[PROFILE_VARIABLE]) / f"restore_{config}_rank{rank}.prof")
                     restore_profile.clear()
+                    import cProfile
+
+                    first_step_profile.append(cProfile.Profile())
+                    first_step_profile[0].enable()
         return timed
 
     class WrapSharded(pl.Callback):

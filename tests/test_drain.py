@@ -115,6 +115,32 @@ def test_a_drain_whose_priority_cannot_be_lowered_keeps_its_thread_and_says_why(
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == trainer_nice
 
 
+def test_the_durable_dir_is_prepared_by_the_drain_thread_and_a_failure_there_is_logged(shm_dir, tmp_path, caplog):
+    """Rank 0's preparation (stale drains removed, NeMo's context staged) runs first in the drain thread, not on
+    training's path; when it fails, the thread says so and goes on waiting for drains, and closes cleanly."""
+    import logging
+    import threading
+
+    from ml_flashpoint_nemo.nemo import drain as drain_module
+
+    ran_in: list[str] = []
+
+    def prepare() -> None:
+        ran_in.append(threading.current_thread().name)
+        raise OSError("injected: the durable directory cannot be written")
+
+    caplog.set_level(logging.WARNING, logger=drain_module.logger.name)
+    drain = drain_module.DurableDrain(base_dir=shm_dir, durable_dir=tmp_path / "durable", rank=0, world_size=1,
+                                      token="t", keep=1, bytes_per_s=None, timeout_s=5, prepare=prepare)
+    try:
+        assert drain._thread.is_alive()
+    finally:
+        drain.close(timeout_s=5)
+    assert not drain._thread.is_alive()
+    assert ran_in == ["flashpoint-drain-0"]
+    assert "Could not prepare" in caplog.text and "injected: the durable directory cannot be written" in caplog.text
+
+
 def visible(checkpoints: Path) -> dict[int, Path]:
     """Drained checkpoints NeMo can see: RAM step -> directory (hidden drains in progress excluded)."""
     found = {}

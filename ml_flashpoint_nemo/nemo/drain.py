@@ -116,12 +116,16 @@ class DurableDrain:
         bytes_per_s: float | None,
         timeout_s: float,
         context_dir: Path | None = None,
+        prepare: Callable[[], None] | None = None,
     ) -> None:
+        """`prepare` (rank 0: clean up stale drains, stage NeMo's context into context_dir) runs first in the
+        drain thread, so that training does not wait for it; its failure is logged and drains go on."""
         self.layout = CheckpointLayout(base_dir)
         self.durable_dir = Path(durable_dir).absolute()
         self.rank, self.world_size, self.token = rank, world_size, token
         self.keep, self.timeout_s = keep, timeout_s
         self.context_dir = context_dir
+        self._prepare = prepare
         self.throttle = Throttle(bytes_per_s)
         self.published: list[tuple[int, Path]] = []  # rank 0: (step, path) of every drain made visible
         self.failures: list[tuple[int, str]] = []  # (step, error) of every failed drain on this rank
@@ -182,6 +186,12 @@ class DurableDrain:
 
     def _run(self) -> None:
         _yield_cpu_to_training()
+        if self._prepare is not None:
+            try:
+                self._prepare()
+            except Exception as exc:  # noqa: BLE001 - as NeMo's ModelCheckpoint: checkpoints without context
+                logger.warning("Could not prepare %s for drained checkpoints (they are published without the "
+                               "NeMo context): %s: %s", self.durable_dir, type(exc).__name__, exc)
         while True:
             with self._cond:
                 while self._pending is None and not self._closing:
