@@ -363,8 +363,16 @@ def saves_fork_until_the_persistent_worker_is_up(p: dict[str, Any]) -> None:
     io.finalize_flashpoint(blocking=True)
     maps = Path(f"/proc/{worker}/maps").read_text()  # after two saves ran on it
     print("WORKER LOADED TORCH", "libtorch" in maps, "EXTENSION", "_core.cpython" in maps, flush=True)
+    process, exit_codes = queue.persistent_caller.process, []
+    close_process = process.close
+
+    def close_recording_the_exit() -> None:  # the stop joins it, then closes it: its status is gone after that
+        exit_codes.append(process.exitcode)
+        close_process()
+
+    process.close = close_recording_the_exit  # type: ignore[method-assign]
     close_and_report(io, p, loaded_step=3)
-    print("WORKER GONE", wait_gone(worker, 10), flush=True)
+    print("WORKER GONE", wait_gone(worker, 10), "EXIT", exit_codes, flush=True)
 
 
 def kill_persistent_worker(io: Any, *, close_process: bool = False) -> None:
