@@ -8,8 +8,9 @@
 // - kPread: pread into a small per-thread buffer that stays in the CPU cache, then the same fused
 //   copy + CRC32C from there into the destination (ranges under 256 KiB are pread straight into
 //   the destination and checksummed from cache). Used for 4 KiB pages, where mapping a file costs
-//   a page fault per 16 pages and a page-table entry per page, more than the kernel's own per-page
-//   work in pread: measured in docs/performance.md ("Core").
+//   a page fault per 16 pages and a page-table entry per page, which cost more than the kernel's own
+//   per-page work in pread on the host of 2026-12-03 but less on that of 2026-12-06: which is
+//   cheaper depends on the host (docs/performance.md, "Core" and "Loads no longer bounce").
 // A file this process already holds mapped and populated (a pool buffer it saved) is copied from
 // that mapping instead, the kMap copy without the per-page cost: read_buffer_into.
 #pragma once
