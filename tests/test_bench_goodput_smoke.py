@@ -38,6 +38,9 @@ def test_bench_goodput_tiny_reports_consistent_numbers(tmp_path: Path):
     assert ram["steady_saves"] == 1 and ram["blocking_s"] == ram["blocking_all_s"][1]  # the first is reported apart
     assert ram["blocking_cpu_s"] > 0 and c["median_step_cpu_s"] > 0
     assert math.isclose(ram["fixed_cost_s"] + ram["staging_copy_s"], ram["blocking_s"], rel_tol=1e-9)
+    # the job's stall per save needs every rank's record of it (rank 1's train file is read too)
+    assert ram["job_blocking_s"] > 0
+    assert math.isclose(ram["job_fixed_cost_s"] + ram["staging_copy_s"], ram["job_blocking_s"], rel_tol=1e-9)
     assert ram["staging_copy_s"] > 0 and ram["job_checkpoint_bytes"] > 0
     # the instrumented calls happen inside the blocking time of the saves
     per_save = ram["spans_per_save_s"]
@@ -54,5 +57,26 @@ def test_bench_goodput_tiny_reports_consistent_numbers(tmp_path: Path):
 
     targets = by_name["targets"]
     assert targets["meets_target"]["ram_fixed_cost_s"] in (True, False)
+    assert targets["meets_target"]["ram_fixed_cost_job_s"] in (True, False)
+    assert targets["values"]["ram_fixed_cost_job_s"] == ram["job_fixed_cost_s"]
     assert targets["meets_target"]["restore_speedup_ram_vs_durable"] is None  # needs b and c in one run
     assert not (tmp_path / "out" / "c" / "logs").exists(), "durable checkpoints were left behind"
+
+
+def test_the_jobs_stall_runs_from_the_last_rank_in_to_the_last_rank_out():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from bench_goodput import job_stall_s
+
+    def save(step: int, start: float, end: float, kind: str = "ram") -> dict:
+        return {"kind": kind, "step": step, "started_at": start, "ended_at": end}
+
+    # rank 0 enters at 10.0 and waits for rank 1 (in at 10.4); both leave by 10.6: the job lost 0.2 s
+    assert math.isclose(job_stall_s(save(5, 10.0, 10.5), [[save(5, 10.4, 10.6)]]), 0.2)
+    # the other way round: rank 0 is the last in and the last out
+    assert math.isclose(job_stall_s(save(5, 10.4, 10.7), [[save(5, 10.0, 10.6)]]), 0.3)
+    # the peer's record of the same save is found by kind and step among others
+    peers = [[save(5, 9.0, 9.1, kind="durable"), save(4, 9.0, 9.1), save(5, 10.1, 10.2)]]
+    assert math.isclose(job_stall_s(save(5, 10.0, 10.3), peers), 0.2)
+    # a rank without that save, or a record without wall-clock stamps: not measured
+    assert job_stall_s(save(5, 10.0, 10.3), [[save(4, 10.0, 10.3)]]) is None
+    assert job_stall_s(save(5, 10.0, 10.3), [[{"kind": "ram", "step": 5}]]) is None
