@@ -303,9 +303,12 @@ enum class FoldMode {
 
 // Folds n bytes of src (n >= kFoldBlock, a multiple of 64) into the raw register crc and returns it.
 // With a copy mode the same loads are also written to dst (64-byte aligned) with non-temporal
-// stores: one pass over the source carries the copy and the checksum. kCopyLoadingAhead keeps
-// every load 256 bytes ahead of the stores, so none follows a store it could alias (see
-// crc32c_copy); where nothing aliases, kCopy stays the loop that was measured fastest.
+// stores: one pass over the source carries the copy and the checksum. kCopyLoadingAhead keeps the
+// main loop's loads 256 bytes ahead of its stores: for the gaps it is used for (1-256, see
+// stores_alias_loads) the nearest earlier store to the same low 12 address bits is then ~3.8 KiB
+// back, as for a plain copy with dst 256 bytes before src, instead of the store just issued (the
+// up to three 64-byte blocks after the main loop are copied in order). Where nothing aliases,
+// kCopy stays the loop that was measured fastest.
 template <FoldMode kMode>
 FLASHPOINT_FOLD_TARGET uint32_t fold_blocks(uint8_t* dst, const uint8_t* src, size_t n, uint32_t crc) {
   constexpr bool kCopy = kMode == FoldMode::kCopy;
@@ -521,10 +524,10 @@ size_t head_until_aligned(const uint8_t* dst, size_t n) {
 // A load waits for an earlier store whose address has the same low 12 bits (4K aliasing). When dst
 // lies just past src modulo 4 KiB, every load of a loop that stores each block right after
 // loading it hits a pending non-temporal store: 10-15x slower on the CPU of 2026-12-04 ((dst -
-// src) mod 4096 from 32 to 128; fine from 192), no slower on that of 2026-12-06. Loads then stay
-// clear of the stores: the AVX-512 fold loads 256 bytes ahead of its stores (as fast as its plain
-// loop, 2026-12-06); the SSE4.2 lanes copy goes through a cache-sized bounce 2 KiB away from both
-// (~40% slower).
+// src) mod 4096 from 32 to 128; fine from 192), no slower on that of 2026-12-06. Such copies keep
+// their loads away from the stores they would alias: the AVX-512 fold loads 256 bytes ahead of its
+// stores (fold_blocks; as fast as its plain loop, 2026-12-06); the SSE4.2 lanes copy goes through a
+// cache-sized bounce 2 KiB away from both (~40% slower than its plain loop, 2026-12-06).
 constexpr size_t kAliasWindow = 256;
 constexpr size_t kAliasBounce = size_t(64) << 10;
 

@@ -266,22 +266,31 @@ def test_closing_the_pool_while_loads_run_never_crashes(base_dir, debug_log):
     assert_state_equal(state, load_version(base_dir, 8))
 
 
-@pytest.mark.parametrize("gap", [0, 32, 64, 128, 192, 256, 320, 2048])
-def test_the_fused_copy_is_exact_where_stores_would_alias_loads(buffer, gap):
+@pytest.mark.parametrize("gap", [0, 32, 64, 128, 192, 255, 256, 257, 320, 2048])
+@pytest.mark.parametrize("nbytes", [200_013, 65_536 + 3 * 64 + 7, 16_384 + 2 * 64 + 33])
+def test_the_fused_copy_is_exact_where_stores_would_alias_loads(buffer, gap, nbytes):
     # (dst - src) mod 4096 in 1..256 takes another loop (AVX-512: loads 256 bytes ahead of the stores; SSE4.2:
-    # a bounce; csrc/crc32c.cpp): both ways, several 256-byte blocks, pieces and a tail.
-    n = 200_000 + 13
-    dst = torch.zeros(n + 8192, dtype=torch.uint8)
-    offset = (dst.data_ptr() - buffer.address - gap) % 4096  # buffer.address + offset == dst - gap (mod 4096)
-    at = dst.data_ptr()
-    crcs = _core.read_buffer_into(buffer, array.array("Q", [offset, at, n, n]), True, 1)
+    # a bounce; csrc/crc32c.cpp): both ways, random bytes, 1-3 64-byte blocks after the last 256, destinations
+    # aligned or not, and the bytes on both sides of each destination left alone.
+    guard = 4096
+    random_bytes = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(gap))
+    dst = torch.zeros(guard + nbytes + guard, dtype=torch.uint8)
+    at = dst.data_ptr() + guard + gap % 64  # gaps that are not a multiple of 64 leave dst unaligned
+    offset = (at - buffer.address - gap) % 4096  # buffer.address + offset == at - gap (mod 4096)
     with memoryview(buffer) as view:
-        expected = bytes(view[offset : offset + n])
-    assert bytes(dst[:n].numpy()) == expected and crcs == [_core.crc32c(expected)]
-    assert not dst[n:].any()  # nothing written past the destination
-    source = torch.randint(0, 256, (n,), dtype=torch.uint8)
-    to = (source.data_ptr() + gap - buffer.address) % 4096 + 4096
-    crcs = _core.copy_into_buffer(buffer, array.array("Q", [source.data_ptr(), to, n]), True, 1)
+        view[offset : offset + nbytes] = random_bytes.numpy().tobytes()
+    crcs = _core.read_buffer_into(buffer, array.array("Q", [offset, at, nbytes, nbytes]), True, 1)
+    start = at - dst.data_ptr()
+    assert bytes(dst[start : start + nbytes].numpy()) == random_bytes.numpy().tobytes()
+    assert crcs == [_core.crc32c(random_bytes.numpy())]
+    assert not dst[:start].any() and not dst[start + nbytes :].any()  # nothing written outside the destination
+
+    source = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    to = (source.data_ptr() + gap - buffer.address) % 4096 + guard
     with memoryview(buffer) as view:
-        assert bytes(view[to : to + n]) == bytes(source.numpy())
+        view[to - guard : to + nbytes + guard] = bytes(nbytes + 2 * guard)
+    crcs = _core.copy_into_buffer(buffer, array.array("Q", [source.data_ptr(), to, nbytes]), True, 1)
+    with memoryview(buffer) as view:
+        assert bytes(view[to : to + nbytes]) == bytes(source.numpy())
+        assert not any(view[to - guard : to]) and not any(view[to + nbytes : to + nbytes + guard])
     assert crcs == [_core.crc32c(source.numpy())]
