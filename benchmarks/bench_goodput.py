@@ -204,6 +204,8 @@ def run_rank(args: argparse.Namespace) -> None:
             self.cpu.append(time.process_time())
             if "first_step" not in marks:
                 marks["first_step"] = time.time()
+                cpu["first_step"], cpu["first_step_main"] = time.process_time(), time.thread_time()
+                thread_cpu.update(cpu_by_thread())
                 if first_step_profile:
                     first_step_profile[0].disable()
                     first_step_profile[0].dump_stats(Path(os.environ[PROFILE_VARIABLE])
@@ -285,6 +287,7 @@ def run_rank(args: argparse.Namespace) -> None:
         spans.wrap(durable_io.async_calls_queue, "schedule_async_request", "schedule_async_request")
 
     cpu: dict[str, float] = {}  # process CPU seconds (every thread) at the restore's marks
+    thread_cpu: dict[str, float] = {}  # at the first step's end: CPU seconds of each live thread since it started
     paths: dict[str, str] = {}
     reloads: dict[str, Any] = {}
     restore_profile: list[Any] = []  # the cProfile of the restore, with BENCH_GOODPUT_PROFILE
@@ -316,6 +319,7 @@ def run_rank(args: argparse.Namespace) -> None:
                     marks["reloads_start"] = time.time()  # left out of the recovery's parts
                     reloads.update(reload_both(trainer, args, paths.get("durable")))
                     marks["reloads_end"] = time.time()
+                cpu["first_step_start"], cpu["first_step_start_main"] = time.process_time(), time.thread_time()
                 if restore_profile:
                     restore_profile[0].disable()
                     restore_profile[0].dump_stats(Path(os.environ[PROFILE_VARIABLE]) / f"restore_{config}_rank{rank}.prof")
@@ -346,7 +350,7 @@ def run_rank(args: argparse.Namespace) -> None:
             "rank": rank, "config": config, "phase": phase, "hidden": hidden, "layers": layers,
             "steps": timing.steps, "step_cpu": timing.cpu, "saves": saves, "spans": spans.seconds, "marks": marks, "cpu": cpu,
             "staging": staging, "killed_at": killed_at, "reloads": reloads,
-            "ram_outcomes": flashpoint.callback.saves if flashpoint else [],
+            "thread_cpu": thread_cpu, "ram_outcomes": flashpoint.callback.saves if flashpoint else [],
             "resumed_from": decision.source if decision else None,
         }
         (out / f"{phase}_rank{rank}.json").write_text(json.dumps(result))
@@ -549,6 +553,21 @@ def summarize_saves(train: dict[str, Any], world: int) -> dict[str, Any]:
     return out
 
 
+def cpu_by_thread() -> dict[str, float]:
+    """CPU seconds (user + system) of each live Python thread of this process since it started, by name."""
+    import threading
+
+    ticks = os.sysconf("SC_CLK_TCK")
+    found: dict[str, float] = {}
+    for thread in threading.enumerate():
+        try:
+            fields = Path(f"/proc/self/task/{thread.native_id}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # ended meanwhile, or not Linux
+        found[thread.name] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime (fields 14, 15)
+    return found
+
+
 def recovery(args: argparse.Namespace, config: str, restart: dict[str, Any], train: dict[str, Any]) -> dict[str, Any]:
     kill = json.loads((Path(args.out) / config / "kill_rank0.json").read_text())
     m = restart["marks"]
@@ -564,7 +583,14 @@ def recovery(args: argparse.Namespace, config: str, restart: dict[str, Any], tra
     source = restart["resumed_from"] or ("durable" if resumed_step else "none")
     cpu = restart.get("cpu", {})
     restore_cpu = cpu["restore_end"] - cpu["restore_start"] if {"restore_start", "restore_end"} <= cpu.keys() else None
-    return {**parts, "total_s": m["first_step"] - kill - reloading, "restore_cpu_s": restore_cpu, "resumed_from": source,
+    first_step_cpu: dict[str, Any] = {}
+    if {"first_step_start", "first_step"} <= cpu.keys():  # the first step: the training thread, and the others
+        main = cpu["first_step_main"] - cpu["first_step_start_main"]
+        first_step_cpu = {"first_step_cpu_main_s": main,
+                          "first_step_cpu_other_threads_s": cpu["first_step"] - cpu["first_step_start"] - main,
+                          "thread_cpu_at_first_step_s": restart.get("thread_cpu", {})}
+    return {**parts, **first_step_cpu, "total_s": m["first_step"] - kill - reloading, "restore_cpu_s": restore_cpu,
+            "resumed_from": source,
             "resumed_step": resumed_step, "killed_at": train["killed_at"],
             "steps_lost": None if resumed_step is None else train["killed_at"] - resumed_step}
 
@@ -774,6 +800,13 @@ def emit(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
                       f"{_verdict(row['meets_target']['reload_speedup_ram_vs_durable'])}; CPU time "
                       f"{_num(row['values']['reload_speedup_ram_vs_durable_cpu'], 0, 4, 'g')} -> "
                       f"{_verdict(row['meets_target']['reload_speedup_ram_vs_durable_cpu'])}")
+    for row in configs:
+        rec = row.get("recovery", {})
+        if "first_step_cpu_main_s" in rec:
+            busiest = sorted(rec["thread_cpu_at_first_step_s"].items(), key=lambda kv: -kv[1])[:4]
+            print(f"  {row['config']}: first step after the restart, CPU s: training thread "
+                  f"{rec['first_step_cpu_main_s']:.2f}, other threads {rec['first_step_cpu_other_threads_s']:.2f}; "
+                  "live threads since their start: " + ", ".join(f"{k} {v:.2f}" for k, v in busiest))
     for row in configs:
         if row.get("available") and row["saves"].get("ram", {}).get("saves"):
             spans = row["saves"]["ram"]["spans_per_save_s"]
