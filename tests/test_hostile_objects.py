@@ -91,6 +91,13 @@ def _set(key: str, field: str, value: Any) -> Callable[[dict[str, Any]], None]:
     return mutate
 
 
+def _set_fields(key: str, **fields: Any) -> Callable[[dict[str, Any]], None]:
+    def mutate(payload: dict[str, Any]) -> None:
+        records_by_key(payload)[key].update(fields)
+
+    return mutate
+
+
 def _move_next_to(key: str, neighbour: str, delta: int) -> Callable[[dict[str, Any]], None]:
     def mutate(payload: dict[str, Any]) -> None:
         records = records_by_key(payload)
@@ -126,6 +133,8 @@ INDEX_LIES = {
     "a bool dimension": (_set("c", "shape", [True, 8]), "malformed"),
     "a crc that is not hex": (_set("a", "crc32c", "zzzzzzzz"), "malformed"),
     "a key that is not a string": (_set("a", "key", 7), "malformed"),
+    "an empty record with a data checksum": (_set_fields("a", shape=[0], nbytes=0, crc32c="00000001"),
+                                             "has no bytes but data checksum 00000001"),
 }
 
 

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Literal, Sequence
 
 from ml_flashpoint_nemo import _core
 from ml_flashpoint_nemo.core.layout import rank_of_object, version_file_name_problem
-from ml_flashpoint_nemo.errors import CorruptCheckpointError, FormatVersionError, UnsupportedValueError
+from ml_flashpoint_nemo.errors import ChecksumError, CorruptCheckpointError, FormatVersionError, UnsupportedValueError
 
 FORMAT_VERSION = 1
 OBJECT_MAGIC = b"MLFPOBJ\x00"
@@ -228,6 +228,8 @@ def _record_problem(entry: IndexEntry, header: "ObjectHeader", dtype_from_name: 
         return f"starts at {entry.offset}, not aligned to {record_alignment(entry.nbytes)} bytes"
     if not header.has_data_crc and entry.crc32c:
         return "carries a data checksum in an object saved without checksums"
+    if entry.nbytes == 0 and entry.crc32c:
+        return f"has no bytes but data checksum {entry.crc32c:08x} (the CRC32C of no bytes is 00000000)"
     return None
 
 
@@ -494,25 +496,51 @@ def object_crc32c_from_index(header_raw: bytes, index_raw: bytes, path: str) -> 
     return _core.crc32c_combine(crc, header.index_crc32c, header.index_nbytes)
 
 
+def read_index_named_by(fd: int, header_raw: bytes, header: "ObjectHeader", record: ObjectRecord, path: str) -> bytes:
+    """The object's index, once its header and index are shown to be the ones its commit record names.
+
+    The record's CRC covers header || index, but a header ends with its own CRC, so every
+    self-consistent header adds the same CRC: the record binds the index, and of the header only
+    what is checked here field by field (size, writer rank, the index's CRC). The size is checked
+    before the index is read, so the read stays inside the record's bytes (which the caller has
+    found in the file). Every reader that trusts an object on its record's word goes through this
+    (core/loader.py's open_object, whole_object_crc32c).
+    """
+    if header.object_nbytes != record.nbytes:
+        raise CorruptCheckpointError(
+            f"object {path} says it has {header.object_nbytes} bytes, the commit record {record.nbytes}. "
+            + CORRUPT_ADVICE
+        )
+    index_raw = os.pread(fd, header.index_nbytes, header.index_offset)
+    index_crc = _core.crc32c(index_raw)
+    if _core.crc32c_combine(_core.crc32c(header_raw), index_crc, len(index_raw)) != record.crc32c:
+        raise ChecksumError(f"object {path} does not match the checksum in its commit record. {CORRUPT_ADVICE}",
+                            path=path)
+    if index_crc != header.index_crc32c or header.writer_rank != record.rank:
+        raise CorruptCheckpointError(
+            f"object {path}: its header names index checksum {header.index_crc32c:08x} and writer rank "
+            f"{header.writer_rank}, but its index has {index_crc:08x} and the commit record says rank "
+            f"{record.rank}. {CORRUPT_ADVICE}"
+        )
+    return index_raw
+
+
 def whole_object_crc32c(fd: int, path: str, record: ObjectRecord | None = None) -> int | None:
     """CRC32C of an object file's bytes [0, object_nbytes), reading only its header and index.
 
-    With a commit record, the header and index must match it (size and checksum), so the CRC
-    vouches for exactly the bytes the version names. None when the object does not allow it
-    (see object_crc32c_from_index). Raises CorruptCheckpointError for a damaged object.
+    With a commit record, the header and index must be the ones it names (read_index_named_by),
+    so the CRC vouches for exactly the bytes the version names. None when the object does not
+    allow it (see object_crc32c_from_index). Raises CorruptCheckpointError for a damaged object.
     """
     header_raw = os.pread(fd, HEADER_NBYTES, 0)
     header = ObjectHeader.decode(header_raw, path)
     file_size = os.fstat(fd).st_size
     if header.object_nbytes > file_size:
         raise CorruptCheckpointError(f"object {path} says it has {header.object_nbytes} bytes, the file {file_size}")
-    if record is not None and header.object_nbytes != record.nbytes:
-        raise CorruptCheckpointError(
-            f"object {path} says it has {header.object_nbytes} bytes, the commit record {record.nbytes}"
-        )
-    index_raw = os.pread(fd, header.index_nbytes, header.index_offset)
-    if record is not None and _core.crc32c(index_raw, _core.crc32c(header_raw)) != record.crc32c:
-        raise CorruptCheckpointError(f"object {path} does not match the checksum in its commit record")
+    if record is None:
+        index_raw = os.pread(fd, header.index_nbytes, header.index_offset)
+    else:
+        index_raw = read_index_named_by(fd, header_raw, header, record, path)
     return object_crc32c_from_index(header_raw, index_raw, path)
 
 

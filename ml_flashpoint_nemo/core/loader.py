@@ -31,6 +31,7 @@ from ml_flashpoint_nemo.core.format import (
     ObjectHeader,
     ObjectRecord,
     decode_index,
+    read_index_named_by,
     validate_index,
 )
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
@@ -77,23 +78,7 @@ def open_object(path: str, record: ObjectRecord) -> Iterator[OpenObject]:
             )
         header_bytes = os.pread(fd, HEADER_NBYTES, 0)
         header = ObjectHeader.decode(header_bytes, path)
-        if header.object_nbytes != record.nbytes:
-            raise CorruptCheckpointError(
-                f"object {path} says it has {header.object_nbytes} bytes, the commit record {record.nbytes}. "
-                + CORRUPT_ADVICE
-            )
-        index_bytes = os.pread(fd, header.index_nbytes, header.index_offset)
-        index_crc = _core.crc32c(index_bytes)
-        if _core.crc32c_combine(_core.crc32c(header_bytes), index_crc, len(index_bytes)) != record.crc32c:
-            raise ChecksumError(
-                f"object {path} does not match the checksum in its commit record. {CORRUPT_ADVICE}", path=path
-            )
-        if index_crc != header.index_crc32c or header.writer_rank != record.rank:
-            raise CorruptCheckpointError(
-                f"object {path}: its header names index checksum {header.index_crc32c:08x} and writer rank "
-                f"{header.writer_rank}, but its index has {index_crc:08x} and the commit record says rank "
-                f"{record.rank}. {CORRUPT_ADVICE}"
-            )
+        index_bytes = read_index_named_by(fd, header_bytes, header, record, path)
         entries = decode_index(index_bytes, path)
         by_key = validate_index(header, entries, path)
         yield OpenObject(path, fd, header, entries, by_key)

@@ -243,7 +243,9 @@ def verify_fetched_object(path: str | os.PathLike[str], record: ObjectRecord, re
     the data as verify_object's full read would, at the cost of reading the header, the index
     and any bytes past the object (a holder's own object is a pool buffer, perhaps longer).
     Anything else (another size, another CRC, an object without that flag) is read in full by
-    verify_object, which names the damaged key.
+    verify_object, which names the damaged key. Against damage the one CRC is as strong as the
+    per-record ones; against bytes crafted by a job member (who can also forge a record's own CRC:
+    docs/security.md) neither is a defence, and the loader still checks every record it reads.
     """
     fd = os.open(os.fspath(path), os.O_RDONLY | os.O_CLOEXEC)
     try:
