@@ -141,6 +141,30 @@ def test_the_durable_dir_is_prepared_by_the_drain_thread_and_a_failure_there_is_
     assert "Could not prepare" in caplog.text and "injected: the durable directory cannot be written" in caplog.text
 
 
+def test_a_trainer_without_a_nemo_context_is_prepared_for_drains_without_one_and_says_why(tmp_path, caplog):
+    """NeMo's own TrainerContext.from_trainer refuses a plain Lightning trainer: the capture logs why, and the
+    preparation still makes the directory and removes earlier runs' drains, staging no context."""
+    import logging
+
+    import lightning.pytorch as pl
+
+    from ml_flashpoint_nemo.nemo import callback
+
+    trainer = pl.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False, accelerator="cpu",
+                         devices=1)
+    durable, context = tmp_path / "durable", tmp_path / "context"
+    caplog.set_level(logging.WARNING, logger=callback.logger.name)
+    prepare = callback._durable_dir_preparer(trainer, durable, context, token="now")
+    assert "Could not capture the NeMo context for drained checkpoints" in caplog.text
+    assert "Trainer from nemo" in caplog.text  # NeMo's own reason
+    assert not durable.exists()  # nothing touched before the drain thread runs it
+    durable.mkdir()
+    (durable / ".drain-earlier-4").mkdir()
+    (durable / ".drain-now-6").mkdir()
+    prepare()
+    assert sorted(p.name for p in durable.iterdir()) == [".drain-now-6"] and not context.exists()
+
+
 def visible(checkpoints: Path) -> dict[int, Path]:
     """Drained checkpoints NeMo can see: RAM step -> directory (hidden drains in progress excluded)."""
     found = {}
