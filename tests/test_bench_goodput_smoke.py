@@ -49,6 +49,9 @@ def test_bench_goodput_tiny_reports_consistent_numbers(tmp_path: Path):
     recovery = c["recovery"]
     assert all(recovery[part] >= 0 for part in RECOVERY_PARTS), recovery
     assert recovery["restore_cpu_s"] > 0
+    # the first step's CPU: the training thread's and the others', and each live thread's by name (from /proc)
+    assert recovery["first_step_cpu_main_s"] > 0 and recovery["first_step_cpu_other_threads_s"] >= 0
+    assert recovery["thread_cpu_at_first_step_s"]["MainThread"] >= recovery["first_step_cpu_main_s"] - 0.02
     assert math.isclose(sum(recovery[part] for part in RECOVERY_PARTS), recovery["total_s"], rel_tol=1e-9)
     # killed after step 7: the newest checkpoint is RAM step 6 (durable: step 4)
     assert recovery["killed_at"] == 7

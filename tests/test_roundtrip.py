@@ -7,6 +7,7 @@ import gc
 import json
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -376,19 +377,14 @@ def test_a_fetched_object_with_a_damaged_record_fails_by_key_although_its_crc_wa
 def test_a_fetched_object_whose_header_names_another_writer_is_refused_although_its_crcs_agree(base_dir, full_reads):
     """A header ends with its own CRC, so every self-consistent header adds the same CRC to the commit
     record's: the record cannot tell writers apart, the field check must (as the loader's does)."""
-    import struct
-
     from ml_flashpoint_nemo.replication.recovery import verify_fetched_object
+    from tests.support.forge import forge_header
 
     path, record = fetched_object(base_dir)
     os.truncate(path, record.nbytes)
-    with open(path, "r+b") as handle:
-        header = bytearray(handle.read(64))
-        struct.pack_into("<I", header, 48, record.rank + 7)  # writer_rank
-        struct.pack_into("<I", header, 60, _core.crc32c(bytes(header[:60])))
-        assert ObjectHeader.decode(bytes(header), path).writer_rank == record.rank + 7  # still self-consistent
-        handle.seek(0)
-        handle.write(header)
+    forge_header(Path(path), lambda fields: fields.update(writer_rank=record.rank + 7))  # its own CRC recomputed
+    with open(path, "rb") as handle:
+        assert ObjectHeader.decode(handle.read(HEADER_NBYTES), path).writer_rank == record.rank + 7
     with pytest.raises(CorruptCheckpointError, match=f"writer rank {record.rank + 7}, .* says rank {record.rank}"):
         verify_fetched_object(path, record, whole_file_crc(path, record.nbytes))
     assert full_reads == [path]  # refused by the fast path, then named by the full check
