@@ -28,8 +28,10 @@ How the Wrapper runs on CPU, and why:
   abort is a plain Finalize (run in the main thread). What it releases is NeMo's, Megatron's and Lightning's, not
   flashpoint's (inprocess_rank.release_framework_state): Megatron's model-parallel groups (NeMo otherwise trains on
   the destroyed ones: "Group ... is not registered"), references that NeMo singletons keep to the last run's
-  model and groups, NeMoLogger's file handler. NeMo's OneLogger telemetry is disabled: it keeps an aborted run's
-  spans and raises "Cannot start span training_loop while 1 span(s) with the same name is already active".
+  model and groups, NeMoLogger's file handler, and Lightning's SIGTERM handler, which only the trainer's
+  teardown puts back and the restart can interrupt (it would keep the aborted trainer alive). NeMo's OneLogger
+  telemetry is disabled: it keeps an aborted run's spans and raises "Cannot start span training_loop while 1
+  span(s) with the same name is already active".
 
 What this process holds is recorded per rank before the Wrapper, at the start of every iteration (after the abort
 and finalize of the previous one, once every earlier trainer has been freed: polled with a deadline, as an aborted

@@ -23,6 +23,7 @@ import gc
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -216,6 +217,9 @@ def main() -> None:
             loss = outputs if not isinstance(outputs, dict) else outputs["loss"]
             self.entry["losses"].append([int(trainer.global_step), float(loss.detach().float().item())])
 
+    # Lightning's handlers of the signals its _SignalConnector replaces, as they were before any trainer.
+    signal_handlers_before = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGUSR1)}
+
     def release_framework_state() -> None:
         """What NeMo, Megatron and Lightning keep of a finished or aborted run (none of it flashpoint's).
 
@@ -228,7 +232,15 @@ def main() -> None:
         3. NeMo's AppState singleton keeps the last run's data/tensor/pipeline-parallel groups (5 gloo contexts).
         4. NeMoLogger adds a new FileHandler for its log file at every run (to NeMo's and Megatron's loggers) and
            never closes the previous one.
+        5. Lightning's SIGTERM handler (a _HandlersCompose of the trainer's _SignalConnector methods) is put back only
+           by the trainer's teardown, which NVRx's RankShouldRestart can interrupt: it lands in the main thread as
+           soon as a timed-out gloo op returns, which may be inside Lightning's exception handling. The handler then
+           keeps the aborted trainer alive, and the next trainer chains it into its own handler (Lightning calls
+           the SIGTERM handler it finds). Until then the snapshots found that trainer alive after the 60 s wait in a
+           quarter of the runs.
         """
+        for number, handler in signal_handlers_before.items():  # main thread: Finalize and the end of a run
+            signal.signal(number, handler)
         parallel_state.destroy_model_parallel()
         parallel_state._INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP = None  # noqa: SLF001
         parallel_state._INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO = None  # noqa: SLF001
