@@ -26,8 +26,10 @@ from ml_flashpoint_nemo.core import (
     verify_version,
 )
 from ml_flashpoint_nemo.core.format import (
+    FORMAT_VERSION,
     HEADER_NBYTES,
     IndexEntry,
+    IndexTemplate,
     ObjectHeader,
     object_crc32c_from_index,
     whole_object_crc32c,
@@ -524,3 +526,17 @@ def test_an_index_record_is_the_json_that_json_dumps_writes(key, kind, dtype, sh
     entry = IndexEntry(key, kind, dtype, tuple(shape), offset, nbytes)
     fields = {"key": key, "kind": kind, "dtype": dtype, "shape": shape, "offset": offset, "nbytes": nbytes}
     assert entry.json_without_crc() == json.dumps(fields, separators=(",", ":"), ensure_ascii=False)[:-1]
+
+
+@settings(max_examples=200, deadline=None)
+@given(records=st.lists(st.tuples(st.text(max_size=12), st.lists(st.integers(0, 2**40), max_size=3),
+                                  st.integers(0, 2**62), st.integers(0, 2**32 - 1)), max_size=6))
+def test_a_filled_index_template_is_the_json_that_json_dumps_writes(records):
+    """The template's CRC slots are byte offsets: right also for keys that JSON escapes or UTF-8 widens."""
+    entries = [IndexEntry(key, "tensor", "float32", tuple(shape), offset, 4) for key, shape, offset, _ in records]
+    crcs = [crc for *_, crc in records]
+    expected = {"format_version": FORMAT_VERSION, "records": [
+        {"key": key, "kind": "tensor", "dtype": "float32", "shape": shape, "offset": offset, "nbytes": 4,
+         "crc32c": f"{crc:08x}"} for key, shape, offset, crc in records]}
+    assert IndexTemplate(entries).fill(crcs) == json.dumps(expected, separators=(",", ":"),
+                                                            ensure_ascii=False).encode("utf-8")

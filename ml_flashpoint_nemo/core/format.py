@@ -13,6 +13,8 @@ import os
 import re
 import struct
 from dataclasses import dataclass, field
+from itertools import accumulate
+from operator import attrgetter
 from typing import Any, Callable, Iterable, Literal, Sequence
 
 from ml_flashpoint_nemo import _core
@@ -121,6 +123,7 @@ def _json_count(value: Any, what: str) -> int:
 
 _CRC_FIELD = ',"crc32c":"'
 _CRC_HEX_DIGITS = 8
+_CRC_SLOT = _CRC_FIELD + "0" * _CRC_HEX_DIGITS + '"}'  # a record's end in the template, its CRC still zero
 
 
 class IndexTemplate:
@@ -131,17 +134,18 @@ class IndexTemplate:
     """
 
     def __init__(self, entries: Sequence[IndexEntry]) -> None:
-        parts = [f'{{"format_version":{FORMAT_VERSION},"records":[']
-        length = len(parts[0].encode("utf-8"))
-        self.crc_slots: list[int] = []
-        for i, entry in enumerate(entries):
-            part = ("," if i else "") + entry.json_without_crc() + _CRC_FIELD
-            length += len(part.encode("utf-8"))
-            self.crc_slots.append(length)
-            parts += [part, "0" * _CRC_HEX_DIGITS + '"}']
-            length += _CRC_HEX_DIGITS + 2
-        parts.append("]}")
-        self.template = "".join(parts).encode("utf-8")
+        head = f'{{"format_version":{FORMAT_VERSION},"records":['
+        bodies = [entry.json_without_crc() for entry in entries]
+        text = head + (_CRC_SLOT + ",").join(bodies) + (_CRC_SLOT if bodies else "") + "]}"
+        self.template = text.encode("utf-8")
+        # Byte lengths of the bodies: their character counts when the whole text is ASCII (the usual keys).
+        lengths = map(len, bodies) if len(self.template) == len(text) else (len(b.encode("utf-8")) for b in bodies)
+        # Record i's slot lies len(_CRC_FIELD) bytes past the end of its body; each record adds its body, its
+        # CRC slot and a comma.
+        step = len(_CRC_SLOT) + 1
+        slots = accumulate(map(step.__add__, lengths), initial=len(head) - step + len(_CRC_FIELD))
+        next(slots)  # the initial value: no record
+        self.crc_slots: list[int] = list(slots)
 
     def __len__(self) -> int:
         return len(self.template)
@@ -442,11 +446,14 @@ class ObjectPlan:
         return padding_ranges(self.entries, self.index_offset)
 
 
+_FILE_ORDER = attrgetter("offset", "nbytes")  # records as they lie in the file
+
+
 def padding_ranges(entries: Sequence[IndexEntry], index_offset: int) -> list[tuple[int, int]]:
     """The gaps of an object's layout, in file order; ValueError if records overlap or are out of order."""
     gaps = []
     position = HEADER_NBYTES
-    for entry in sorted(entries, key=lambda e: (e.offset, e.nbytes)):
+    for entry in sorted(entries, key=_FILE_ORDER):
         if entry.offset < position:
             raise ValueError(f"record {entry.key!r} at offset {entry.offset} overlaps the bytes before it")
         if entry.offset > position:
@@ -488,7 +495,7 @@ def object_crc32c_from_index(header_raw: bytes, index_raw: bytes, path: str) -> 
     gaps = dict(padding_ranges(entries, header.index_offset))
     crc = _core.crc32c(header_raw[:HEADER_NBYTES])
     position = HEADER_NBYTES
-    for entry in sorted(entries, key=lambda e: (e.offset, e.nbytes)):
+    for entry in sorted(entries, key=_FILE_ORDER):
         crc, position = _extend_with_zeros(crc, position, gaps)
         crc = _core.crc32c_combine(crc, entry.crc32c, entry.nbytes)
         position += entry.nbytes
