@@ -23,6 +23,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from ml_flashpoint_nemo.nemo.settings import FlashpointSettings, checked_options
+from ml_flashpoint_nemo.nemo.stale_handlers import OwnedHandler
 
 if TYPE_CHECKING:  # both import NeMo's checkpoint IO stack, which the callback loads only once it wires a trainer
     from typing_extensions import Unpack
@@ -31,7 +32,6 @@ if TYPE_CHECKING:  # both import NeMo's checkpoint IO stack, which the callback 
     from ml_flashpoint_nemo.nemo.drain import DurableDrain
     from ml_flashpoint_nemo.nemo.settings import FlashpointOptionValues
 
-    _SignalHandler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None  # what signal.signal returns
 
 logger = logging.getLogger(__name__)
 # At the end of training: how long the ranks wait for each other's replication pushes of the last version (a safety
@@ -55,7 +55,7 @@ class FlashpointCallback(Callback):
         self.drain: DurableDrain | None = None  # this rank's, while training with durable_every_n_steps
         self._durable_names: dict[int, str] = {}  # RAM step -> its durable checkpoint's NeMo name
         self._drained_up_to = 0  # the newest step asked to drain (or resumed from)
-        self._previous_handler: tuple[int, _SignalHandler] | None = None  # (signal, its handler before ours)
+        self._preemption_handler: OwnedHandler | None = None  # installed while drains run with a preemption signal
 
     # --- wiring ------------------------------------------------------------------------------
 
@@ -168,7 +168,8 @@ class FlashpointCallback(Callback):
             from ml_flashpoint_nemo.nemo.settings import preemption_signal_number
 
             number = preemption_signal_number(settings.preemption_signal)
-            self._previous_handler = (number, signal.signal(number, self._on_preemption))
+            self._preemption_handler = OwnedHandler(number, self._on_preemption, owner_finished=self._io_closed,
+                                                    what="flashpoint's preemption handler")
         logger.info("Durable checkpoints drained from RAM every %d steps into %s", settings.durable_every_n_steps,
                     durable)
 
@@ -212,14 +213,13 @@ class FlashpointCallback(Callback):
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
 
+    def _io_closed(self) -> bool:
+        return self.io is not None and self.io.closed
+
     def _stop_drain(self) -> None:
-        if self._previous_handler is not None:
-            number, previous = self._previous_handler
-            self._previous_handler = None
-            try:
-                signal.signal(number, previous)
-            except (ValueError, TypeError):  # not the main thread, or a handler Python did not install
-                pass
+        if self._preemption_handler is not None:
+            handler, self._preemption_handler = self._preemption_handler, None
+            handler.put_back()
         if self.drain is not None:
             self.drain.close()
             self.drain = None

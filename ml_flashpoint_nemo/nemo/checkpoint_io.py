@@ -108,6 +108,7 @@ class FlashpointCheckpointIO(AsyncFinalizableCheckpointIO):
         self._save_strategy: FlashpointSaveStrategy | FullyParallelSaveStrategyWrapper | None = None
         self._validated = False
         self._closing = threading.Lock()
+        self.closed = False  # True once close() ran to its end, until a save uses this IO again
         # first: its workers must be stopped before the pools they write into are released
         lifecycle.register(self, _close_dropping_saves, first=True)
 
@@ -197,6 +198,7 @@ class FlashpointCheckpointIO(AsyncFinalizableCheckpointIO):
         request.add_finalize_fn(lambda: self.outcomes.append(self._outcome(self._pending.popleft()[0], blocking)))
         self._pending.append((step, time.monotonic()))
         lifecycle.register(self, _close_dropping_saves, first=True)  # again, in case it was closed and is used once more
+        self.closed = False
         self.flashpoint_queue.schedule_async_request(request)
 
     def start_worker(self) -> None:
@@ -327,6 +329,7 @@ class FlashpointCheckpointIO(AsyncFinalizableCheckpointIO):
             self.flashpoint_strategy.close()
             release_process_savers([self.layout.base_dir])  # the pool warmed at set-up, saved to or not
             lifecycle.unregister(self)
+            self.closed = True
         finally:
             self._closing.release()
 

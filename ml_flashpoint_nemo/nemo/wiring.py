@@ -6,7 +6,8 @@ collectives, so it runs before the process group exists: the strategy's checkpoi
 wrapped, the callback linked to it, the Manager for async saves and this rank's buffer pool
 start warming up in background threads, this rank's objects of the newest RAM version are
 checked in another (for the restore's choice), and the trainer's restore learns to consider
-RAM versions.
+RAM versions. Signal handlers that an earlier trainer, cut short, left installed are put back
+first (nemo/stale_handlers.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ml_flashpoint_nemo.errors import TrainerSetupError
 from ml_flashpoint_nemo.nemo.checkpoint_io import FlashpointCheckpointIO
 from ml_flashpoint_nemo.nemo.resume import install_resume_choice
 from ml_flashpoint_nemo.nemo.settings import FlashpointSettings, FlashpointWiring, wiring_of
+from ml_flashpoint_nemo.nemo.stale_handlers import release_stale_signal_handlers
 
 if TYPE_CHECKING:
     from ml_flashpoint_nemo.nemo.callback import FlashpointCallback
@@ -59,6 +61,7 @@ def wire_trainer(
             f"flashpoint checkpoints need a NeMo MegatronStrategy trainer, this one uses {type(strategy).__name__}"
         )
     settings = FlashpointSettings.create(base_dir, **options)
+    release_stale_signal_handlers(trainer)  # before this trainer's fit chains them into its own
 
     manager_future = start_manager_warmup() if settings.enabled else None
     io = FlashpointCheckpointIO(strategy.checkpoint_io, settings, manager_future=manager_future)

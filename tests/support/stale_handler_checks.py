@@ -1,0 +1,102 @@
+"""In a fresh process (signal handlers are process-wide): handlers of trainers cut short, put back at the next wiring.
+
+Each trainer's fit is stood in for by what Lightning's _run does with signals
+(trainer._signal_connector.register_signal_handlers()) and, for the preemption handler, by what
+FlashpointCallback._start_drain does. The teardown that would put them back never runs, as when
+NVRx's RankShouldRestart cuts it short. "Aborted" means close_live_resources(), what FlashpointAbort
+runs. Prints one line per check for tests/test_stale_handlers.py.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import signal
+import sys
+import threading
+import weakref
+from types import FrameType
+from typing import Any
+
+
+def original_handler(signum: int, frame: FrameType | None) -> None:
+    """The job's own SIGTERM handler, installed before any trainer."""
+
+
+def trainer() -> Any:
+    from nemo import lightning as nl
+
+    return nl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                      strategy=nl.MegatronStrategy(ckpt_async_save=False))
+
+
+def describe(handler: Any) -> str:
+    if handler is original_handler:
+        return "original"
+    return type(handler).__name__
+
+
+def wired_and_fitting(base: str, *, preemption: bool = False) -> Any:
+    from ml_flashpoint_nemo import wrap_trainer_with_flashpoint
+
+    started = trainer()
+    wrap_trainer_with_flashpoint(started, base_dir=base)
+    started._signal_connector.register_signal_handlers()  # as Lightning's _run, after the setup hook
+    if preemption:  # as FlashpointCallback._start_drain with preemption_signal="SIGTERM"
+        from ml_flashpoint_nemo.nemo.stale_handlers import OwnedHandler
+
+        callback = started._flashpoint.callback
+        callback._preemption_handler = OwnedHandler(signal.SIGTERM, callback._on_preemption,
+                                                    owner_finished=callback._io_closed,
+                                                    what="flashpoint's preemption handler")
+    return started
+
+
+def main() -> None:
+    # Imported before any trainer exists: a first import inside a function that holds a trainer can leave its frame
+    # (and so the trainer) in a traceback some library keeps of an optional import that failed.
+    from ml_flashpoint_nemo import wrap_trainer_with_flashpoint
+    from ml_flashpoint_nemo.core import close_live_resources
+    from ml_flashpoint_nemo.nemo.stale_handlers import release_stale_signal_handlers
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="LOG %(name)s %(message)s")
+    base = sys.argv[1]
+    signal.signal(signal.SIGTERM, original_handler)
+
+    for label, preemption in (("LIGHTNING", False), ("WITH_PREEMPTION", True)):
+        aborted = wired_and_fitting(base, preemption=preemption)
+        installed = describe(signal.getsignal(signal.SIGTERM))
+        close_live_resources()
+        former = weakref.ref(aborted)
+        del aborted
+        gc.collect()
+        kept_alive = former() is not None
+        following = trainer()
+        wrap_trainer_with_flashpoint(following, base_dir=base)
+        print(label, "installed", installed, "kept_alive_before", kept_alive,
+              "sigterm_after", describe(signal.getsignal(signal.SIGTERM)), "freed", former() is None, flush=True)
+        following._flashpoint.io.close(finalize=False)
+
+    running = wired_and_fitting(base)  # its IO is open: still training, e.g. a second trainer made during its fit
+    other = trainer()
+    wrap_trainer_with_flashpoint(other, base_dir=base)
+    handler = signal.getsignal(signal.SIGTERM)
+    owner = getattr(handler.signal_handlers[0], "__self__", None)
+    print("RUNNING kept", owner is not None and owner.trainer is running, flush=True)
+    running._signal_connector.teardown()  # its own teardown puts the original back
+    close_live_resources()
+
+    stale = wired_and_fitting(base)
+    stale._flashpoint.io.close(finalize=False)
+    counts: list[int] = []
+    thread = threading.Thread(target=lambda: counts.append(release_stale_signal_handlers(trainer())))
+    thread.start()
+    thread.join()
+    print("OTHER_THREAD released", counts[0], "sigterm", describe(signal.getsignal(signal.SIGTERM)), flush=True)
+    print("MAIN_THREAD released", release_stale_signal_handlers(trainer()),
+          "sigterm", describe(signal.getsignal(signal.SIGTERM)), flush=True)
+    close_live_resources()
+
+
+if __name__ == "__main__":
+    main()
