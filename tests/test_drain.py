@@ -87,6 +87,30 @@ def test_the_drain_thread_runs_at_the_lowest_cpu_priority_and_the_trainer_keeps_
         drain.close(timeout_s=5)
 
 
+def test_an_abort_stops_the_drain_thread_and_releases_its_queued_hold(shm_dir, tmp_path):
+    """close_live_resources (what FlashpointAbort runs) stops a drain whose callback's teardown was cut short."""
+    import threading
+
+    from ml_flashpoint_nemo.core import close_live_resources, live_resources
+    from ml_flashpoint_nemo.core.layout import CheckpointLayout
+    from ml_flashpoint_nemo.nemo.drain import DrainRequest, DurableDrain
+
+    release = threading.Event()
+    drain = DurableDrain(base_dir=shm_dir, durable_dir=tmp_path / "durable", rank=0, world_size=1, token="t", keep=1,
+                         bytes_per_s=None, timeout_s=5, prepare=lambda: release.wait(30))  # busy until released
+    layout = CheckpointLayout(shm_dir)
+    layout.version_dir(4).mkdir()
+    drain.submit(DrainRequest(4, "step=4"))  # queued behind the preparation
+    assert any("DurableDrain" in what for what in live_resources())
+    report = close_live_resources(timeout=5)
+    assert "DurableDrain" in report.summary() and not report.failed
+    assert not layout.hold_path(4, 0).exists(), "the queued drain's hold outlived the abort"
+    release.set()
+    drain._thread.join(10)
+    assert not drain._thread.is_alive() and drain.busy_with() == []
+    assert not any("DurableDrain" in what for what in live_resources())
+
+
 def test_a_drain_whose_priority_cannot_be_lowered_keeps_its_thread_and_says_why(shm_dir, tmp_path, monkeypatch,
                                                                                 caplog):
     """A sandbox may forbid setpriority (EPERM; this root test process cannot be refused for real, so the call

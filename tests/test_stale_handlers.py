@@ -9,6 +9,7 @@ are closed as FlashpointAbort closes them.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import uuid
@@ -33,7 +34,8 @@ def checks() -> dict[str, str]:
     return {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in lines} | {"log": done.stdout}
 
 
-_LABELS = {"LIGHTNING", "WITH_PREEMPTION", "RUNNING", "OTHER_THREAD", "MAIN_THREAD"}
+_LABELS = {"LIGHTNING", "LIGHTNING_LATE_STOP", "WITH_PREEMPTION", "WITH_PREEMPTION_LATE_STOP", "RUNNING",
+           "OTHER_THREAD", "MAIN_THREAD", "REALTIME", "NOTHING_TO_PUT_BACK"}
 
 
 def test_lightnings_handler_of_an_aborted_trainer_is_put_back_and_the_trainer_freed(checks):
@@ -49,6 +51,11 @@ def test_flashpoints_preemption_handler_and_lightnings_beneath_it_are_both_put_b
     assert "(flashpoint's preemption handler of signal SIGTERM, Lightning's handler of signal SIGTERM)" in checks["log"]
 
 
+def test_the_aborted_callback_stopping_late_puts_back_nothing(checks):
+    """Its preemption handler was put back already: a late _stop_drain must not reinstall what it replaced."""
+    assert checks["LIGHTNING_LATE_STOP"] == checks["WITH_PREEMPTION_LATE_STOP"] == "sigterm original"
+
+
 def test_the_handlers_of_a_trainer_still_training_are_kept(checks):
     assert checks["RUNNING"] == "kept True"
 
@@ -56,3 +63,9 @@ def test_the_handlers_of_a_trainer_still_training_are_kept(checks):
 def test_only_the_main_thread_puts_handlers_back(checks):
     assert checks["OTHER_THREAD"] == "released 0 sigterm _HandlersCompose"
     assert checks["MAIN_THREAD"] == "released 1 sigterm original"
+
+
+def test_a_real_time_signal_is_named_by_its_number_and_a_handler_with_nothing_to_put_back_stays(checks):
+    assert checks["REALTIME"] == "released 1 handler SIG_DFL"  # what it replaced
+    assert f"a finished owner's handler of signal {int(signal.SIGRTMIN) + 1}" in checks["log"]
+    assert checks["NOTHING_TO_PUT_BACK"] == "released 0 handler OwnedHandler"  # found, left, and not counted

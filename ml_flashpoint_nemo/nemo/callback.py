@@ -63,8 +63,10 @@ class FlashpointCallback(Callback):
         from ml_flashpoint_nemo.nemo.wiring import wire_trainer  # imports NeMo's checkpoint IO stack
 
         wire_trainer(trainer, self, base_dir=self.base_dir, options=self.options, warn_if_wired=False)
-        if stage == "fit" and self.io is not None:
-            self.io.start_worker()  # in each rank's process, from its main thread, before the model is built
+        if stage == "fit":
+            self._stop_drain()  # one left by an earlier fit of this callback whose teardown was cut short
+            if self.io is not None:
+                self.io.begin_fit()  # in each rank's process, from its main thread, before the model is built
 
     def attach(self, settings: FlashpointSettings, io: FlashpointCheckpointIO) -> None:
         self.settings, self.io = settings, io
@@ -167,9 +169,7 @@ class FlashpointCallback(Callback):
         if settings.preemption_signal is not None:
             from ml_flashpoint_nemo.nemo.settings import preemption_signal_number
 
-            number = preemption_signal_number(settings.preemption_signal)
-            self._preemption_handler = OwnedHandler(number, self._on_preemption, owner_finished=self._io_closed,
-                                                    what="flashpoint's preemption handler")
+            self._install_preemption_handler(preemption_signal_number(settings.preemption_signal))
         logger.info("Durable checkpoints drained from RAM every %d steps into %s", settings.durable_every_n_steps,
                     durable)
 
@@ -213,8 +213,13 @@ class FlashpointCallback(Callback):
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
 
-    def _io_closed(self) -> bool:
-        return self.io is not None and self.io.closed
+    def _install_preemption_handler(self, number: int) -> None:
+        """Handle `number` with _on_preemption until this fit ends; a later wiring puts the old handler back if
+        this fit's teardown is cut short (nemo/stale_handlers.py), once this fit's checkpoint IO is closed."""
+        io = self.io
+        assert io is not None, "wired"
+        self._preemption_handler = OwnedHandler(number, self._on_preemption, owner_finished=lambda: io.closed,
+                                                what="flashpoint's preemption handler")
 
     def _stop_drain(self) -> None:
         if self._preemption_handler is not None:

@@ -108,7 +108,7 @@ class FlashpointCheckpointIO(AsyncFinalizableCheckpointIO):
         self._save_strategy: FlashpointSaveStrategy | FullyParallelSaveStrategyWrapper | None = None
         self._validated = False
         self._closing = threading.Lock()
-        self.closed = False  # True once close() ran to its end, until a save uses this IO again
+        self.closed = False  # True once close() ran to its end, until the next fit begins (begin_fit)
         # first: its workers must be stopped before the pools they write into are released
         lifecycle.register(self, _close_dropping_saves, first=True)
 
@@ -198,12 +198,13 @@ class FlashpointCheckpointIO(AsyncFinalizableCheckpointIO):
         request.add_finalize_fn(lambda: self.outcomes.append(self._outcome(self._pending.popleft()[0], blocking)))
         self._pending.append((step, time.monotonic()))
         lifecycle.register(self, _close_dropping_saves, first=True)  # again, in case it was closed and is used once more
-        self.closed = False
         self.flashpoint_queue.schedule_async_request(request)
 
-    def start_worker(self) -> None:
-        """Spawn the persistent save worker now (main thread, at trainer set-up), so that it boots while the
-        model is built; no-op when it runs or is not used. Saves before it is up fork a worker each."""
+    def begin_fit(self) -> None:
+        """A fit starts with this IO (main thread, at trainer set-up): it counts as open again, and the
+        persistent save worker is spawned now, so that it boots while the model is built (no-op when it runs
+        or is not used; saves before it is up fork a worker each)."""
+        self.closed = False
         if self.settings.enabled and isinstance(self.flashpoint_queue, PersistentWorkerQueue) and self._async:
             self.flashpoint_queue.start_worker()
 

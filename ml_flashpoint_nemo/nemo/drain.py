@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
+from ml_flashpoint_nemo.core import lifecycle
 from ml_flashpoint_nemo.core.layout import MEGATRON_COMMON_NAME, CheckpointLayout
 from ml_flashpoint_nemo.core.loader import OpenObject, open_object, read_object
 from ml_flashpoint_nemo.core.version_files import read_checked_file
@@ -137,6 +138,7 @@ class DurableDrain:
         self._release_stale_holds()
         self._thread = threading.Thread(target=self._run, name=f"flashpoint-drain-{rank}", daemon=True)
         self._thread.start()
+        lifecycle.register(self, DurableDrain.close)  # an abort (FlashpointAbort) stops it after the current drain
 
     # --- main thread -------------------------------------------------------------------------
 
@@ -180,6 +182,7 @@ class DurableDrain:
             self._cond.notify_all()
         if pending is not None:
             self._release(pending.step)
+        lifecycle.unregister(self)
         self._thread.join(timeout_s)
 
     # --- drain thread ------------------------------------------------------------------------

@@ -11,8 +11,13 @@ a GPU that is a second copy of the model on every restart.
 wire_trainer calls release_stale_signal_handlers for every new trainer, from the main thread,
 before its fit installs handlers. It puts back what such a trainer replaced. "Such a trainer" means
 a trainer that flashpoint wired and whose checkpoint IO has been closed since (by FlashpointAbort,
-or by the end of its training). A trainer still training keeps its handlers. Flashpoint's own
-handlers are OwnedHandlers, which carry that test themselves.
+or by the end of its training). A trainer whose IO is open, one still training, keeps its handlers.
+Flashpoint's own handlers are OwnedHandlers, which carry that test themselves.
+
+Only the handler on top of each signal is looked at, and then what it replaced. A handler that
+other code installed over a stale one hides it (NeMo's PreemptionCallback does, at train start),
+and Lightning's handler of a trainer flashpoint did not wire is not recognised. A finalize step of
+the restart that puts back the handlers from before the first trainer covers those cases too.
 """
 
 from __future__ import annotations
@@ -38,33 +43,44 @@ class OwnedHandler:
                  owner_finished: Callable[[], bool], what: str) -> None:
         self.number, self.what = number, what
         self._handle, self.owner_finished = handle, owner_finished
-        self.previous = signal.signal(number, self)  # main thread only, as signal.signal itself
+        self.previous: Any = signal.signal(number, self)  # main thread only, as signal.signal itself
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
         self._handle(signum, frame)
 
-    def put_back(self) -> None:
-        """Install the handler this one replaced (main thread; elsewhere, or for a handler Python did not
-        install, nothing changes)."""
+    def put_back(self) -> bool:
+        """Install the handler this one replaced, if this one is still installed; True if it was put back.
+
+        Only once, and only from the top: a handler installed over this one keeps this one as its own
+        previous, and this one keeps its previous until it is itself on top again.
+        """
+        if self.previous is None or signal.getsignal(self.number) is not self:
+            return False
         try:
             signal.signal(self.number, self.previous)
-        except (ValueError, TypeError):
-            pass
+        except (ValueError, TypeError):  # not the main thread
+            return False
+        self.previous = None  # nor holds on to it
+        return True
 
 
 def release_stale_signal_handlers(new_trainer: Any) -> int:
     """Put back the handlers that finished flashpoint trainers left installed; how many were put back.
 
-    Main thread only (the only thread that may set handlers); in any other it does nothing.
+    Main thread only (the only thread that may set handlers); in any other it does nothing. Never
+    raises: this frees memory, and must not stop a trainer from starting.
     """
     if threading.current_thread() is not threading.main_thread():
         return 0
     released: list[str] = []
-    for _ in range(_LONGEST_CHAIN):
-        what = _release_one(new_trainer)
-        if what is None:
-            break
-        released.append(what)
+    try:
+        for _ in range(_LONGEST_CHAIN):
+            what = _release_one(new_trainer)
+            if what is None:
+                break
+            released.append(what)
+    except Exception:  # noqa: BLE001 - see the docstring
+        logger.warning("Could not check for signal handlers left by earlier trainers", exc_info=True)
     if released:
         gc.collect()  # the trainers are reference cycles, by now in the oldest generation: free them before a new model
         logger.info("Put back %d signal handler(s) that trainers cut short had left installed (%s); those trainers "
@@ -79,27 +95,39 @@ def _release_one(new_trainer: Any) -> str | None:
             handler = signal.getsignal(number)
         except (OSError, ValueError):  # pragma: no cover - a number this platform cannot query
             continue
-        previous = _handler_replaced_by_finished_trainer(handler, number, new_trainer)
+        if isinstance(handler, OwnedHandler):
+            if handler.owner_finished() and handler.put_back():
+                return f"{handler.what} of signal {_signal_name(number)}"
+            continue
+        previous = _replaced_by_a_finished_trainer(handler, number, new_trainer)
         if previous is not None:
-            restore, what = previous
-            restore()
-            return f"{what} of signal {signal.Signals(number).name}"
+            signal.signal(number, previous)
+            return f"Lightning's handler of signal {_signal_name(number)}"
     return None
 
 
-def _handler_replaced_by_finished_trainer(handler: Any, number: int,
-                                          new_trainer: Any) -> tuple[Callable[[], object], str] | None:
-    """(how to put back what handler replaced, what handler is), if a finished trainer installed it."""
-    if isinstance(handler, OwnedHandler):
-        return (handler.put_back, handler.what) if handler.owner_finished() else None
+def _replaced_by_a_finished_trainer(handler: Any, number: int, new_trainer: Any) -> Any:
+    """What the handler replaced, if it is Lightning's handler of a finished flashpoint trainer and that can be put
+    back; else None."""
     connector = _lightning_connector_of(handler)
     if connector is None or connector.trainer is new_trainer:
         return None
     wiring = wiring_of(connector.trainer)
-    previous = connector._original_handlers.get(number)  # noqa: SLF001 - what Lightning's teardown would put back
-    if wiring is None or not wiring.io.closed or previous is None:
+    if wiring is None or not wiring.io.closed:
         return None
-    return (lambda: signal.signal(number, previous)), "Lightning's handler"
+    previous = connector._original_handlers.get(number)  # noqa: SLF001 - what Lightning's teardown would put back
+    # None: a handler installed outside Python, which Lightning's teardown leaves too. The connector's own handler:
+    # it registered twice without a teardown in between, and what came before is lost.
+    if previous is None or previous is handler or _lightning_connector_of(previous) is connector:
+        return None
+    return previous
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:  # a real-time signal has no name
+        return str(int(number))
 
 
 def _lightning_connector_of(handler: Any) -> Any:

@@ -298,7 +298,7 @@ def staging_fails_on_one_rank_before_its_persistent_worker(p: dict[str, Any]) ->
     from ml_flashpoint_nemo.megatron import strategies
 
     io = nemo_io(p, worker_timeout_s=60)
-    io.start_worker()
+    io.begin_fit()
     assert io.flashpoint_queue.worker_ready(timeout=120), "the persistent worker did not come up"
     dist.barrier()
     stage = strategies._StagingWriter._stage
@@ -347,7 +347,7 @@ def saves_fork_until_the_persistent_worker_is_up(p: dict[str, Any]) -> None:
     queue = io.flashpoint_queue
     booted = Path(tempfile.mkdtemp(prefix="boot-worker-")) / "go"
     queue._boot_hook = functools.partial(boot_once_path_exists, str(booted))  # held until step 1 was scheduled
-    io.start_worker()  # what it costs the trainer: benchmarks/bench_adapters.py, worker_start_seconds
+    io.begin_fit()  # what it costs the trainer: benchmarks/bench_adapters.py, worker_start_seconds
     callers = []
     for step in (1, 2, 3):
         save_through(io, p, step)  # step 1: the worker is still booting
@@ -387,7 +387,7 @@ def saves_around_a_lost_worker(p: dict[str, Any], *, close_process: bool) -> Non
     """Steps 1 to 3 through persistent workers; rank 1's worker is killed (kill_persistent_worker) after step 1
     is finalized, so step 2 is queued for a worker that is gone; reports what step 3 left."""
     io = nemo_io(p, persistent_worker=True)
-    io.start_worker()
+    io.begin_fit()
     assert io.flashpoint_queue.worker_ready(timeout=120), "the persistent worker did not come up"
     dist.barrier()
     save_through(io, p, 1)
@@ -410,7 +410,7 @@ def worker_dead_while_booting_leaves_saves_to_forks(p: dict[str, Any]) -> None:
     io = nemo_io(p)
     if dist.get_rank() == 1:  # its boot never ends: the kill below comes while it boots, however slow this rank is
         io.flashpoint_queue._boot_hook = hang_ignoring_sigterm
-    io.start_worker()
+    io.begin_fit()
     if dist.get_rank() == 1:
         kill_persistent_worker(io)
     else:

@@ -33,7 +33,7 @@ def trainer() -> Any:
 def describe(handler: Any) -> str:
     if handler is original_handler:
         return "original"
-    return type(handler).__name__
+    return handler.name if isinstance(handler, signal.Handlers) else type(handler).__name__
 
 
 def wired_and_fitting(base: str, *, preemption: bool = False) -> Any:
@@ -42,13 +42,8 @@ def wired_and_fitting(base: str, *, preemption: bool = False) -> Any:
     started = trainer()
     wrap_trainer_with_flashpoint(started, base_dir=base)
     started._signal_connector.register_signal_handlers()  # as Lightning's _run, after the setup hook
-    if preemption:  # as FlashpointCallback._start_drain with preemption_signal="SIGTERM"
-        from ml_flashpoint_nemo.nemo.stale_handlers import OwnedHandler
-
-        callback = started._flashpoint.callback
-        callback._preemption_handler = OwnedHandler(signal.SIGTERM, callback._on_preemption,
-                                                    owner_finished=callback._io_closed,
-                                                    what="flashpoint's preemption handler")
+    if preemption:  # as FlashpointCallback._start_drain does with preemption_signal="SIGTERM"
+        started._flashpoint.callback._install_preemption_handler(signal.SIGTERM)
     return started
 
 
@@ -65,6 +60,7 @@ def main() -> None:
 
     for label, preemption in (("LIGHTNING", False), ("WITH_PREEMPTION", True)):
         aborted = wired_and_fitting(base, preemption=preemption)
+        callback = aborted._flashpoint.callback
         installed = describe(signal.getsignal(signal.SIGTERM))
         close_live_resources()
         former = weakref.ref(aborted)
@@ -75,6 +71,9 @@ def main() -> None:
         wrap_trainer_with_flashpoint(following, base_dir=base)
         print(label, "installed", installed, "kept_alive_before", kept_alive,
               "sigterm_after", describe(signal.getsignal(signal.SIGTERM)), "freed", former() is None, flush=True)
+        callback._stop_drain()  # the aborted fit's callback, reused or torn down late: it must put back nothing now
+        print(label + "_LATE_STOP", "sigterm", describe(signal.getsignal(signal.SIGTERM)), flush=True)
+        del callback
         following._flashpoint.io.close(finalize=False)
 
     running = wired_and_fitting(base)  # its IO is open: still training, e.g. a second trainer made during its fit
@@ -96,6 +95,18 @@ def main() -> None:
     print("MAIN_THREAD released", release_stale_signal_handlers(trainer()),
           "sigterm", describe(signal.getsignal(signal.SIGTERM)), flush=True)
     close_live_resources()
+
+    from ml_flashpoint_nemo.nemo.stale_handlers import OwnedHandler
+
+    realtime = signal.SIGRTMIN + 1  # no name in signal.Signals
+    OwnedHandler(realtime, original_handler, owner_finished=lambda: True, what="a finished owner's handler")
+    print("REALTIME released", release_stale_signal_handlers(trainer()),
+          "handler", describe(signal.getsignal(realtime)), flush=True)
+    stuck = OwnedHandler(realtime, original_handler, owner_finished=lambda: True, what="a finished owner's handler")
+    stuck.previous = None  # it replaced a handler installed outside Python: nothing to put back
+    print("NOTHING_TO_PUT_BACK released", release_stale_signal_handlers(trainer()),
+          "handler", describe(signal.getsignal(realtime)), flush=True)
+    signal.signal(realtime, signal.SIG_DFL)
 
 
 if __name__ == "__main__":
