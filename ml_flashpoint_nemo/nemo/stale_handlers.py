@@ -54,7 +54,8 @@ class OwnedHandler:
         Only once, and only from the top: a handler installed over this one keeps this one as its own
         previous, and this one keeps its previous until it is itself on top again.
         """
-        if self.previous is None or signal.getsignal(self.number) is not self:
+        installed: object = signal.getsignal(self.number)
+        if self.previous is None or installed is not self:
             return False
         try:
             signal.signal(self.number, self.previous)
