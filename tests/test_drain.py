@@ -108,7 +108,11 @@ def test_an_abort_stops_the_drain_thread_and_releases_its_queued_hold(shm_dir, t
     release.set()
     drain._thread.join(10)
     assert not drain._thread.is_alive() and drain.busy_with() == []
+    assert drain._prepare is None  # it may hold the trainer (NeMo's context): not kept past its run
     assert not any("DurableDrain" in what for what in live_resources())
+    # A stale preemption handler of the aborted run submitting to its drain: nothing is held, nobody waits.
+    drain.submit(DrainRequest(4, "step=4"))
+    assert not layout.hold_path(4, 0).exists() and drain.wait(4, timeout_s=0)
 
 
 def test_a_drain_whose_priority_cannot_be_lowered_keeps_its_thread_and_says_why(shm_dir, tmp_path, monkeypatch,

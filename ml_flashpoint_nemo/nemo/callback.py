@@ -62,11 +62,11 @@ class FlashpointCallback(Callback):
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         from ml_flashpoint_nemo.nemo.wiring import wire_trainer  # imports NeMo's checkpoint IO stack
 
-        wire_trainer(trainer, self, base_dir=self.base_dir, options=self.options, warn_if_wired=False)
-        if stage == "fit":
+        if stage == "fit":  # first: what it drops can then be freed by the wiring's collection of stale trainers
             self._stop_drain()  # one left by an earlier fit of this callback whose teardown was cut short
-            if self.io is not None:
-                self.io.begin_fit()  # in each rank's process, from its main thread, before the model is built
+        wire_trainer(trainer, self, base_dir=self.base_dir, options=self.options, warn_if_wired=False)
+        if stage == "fit" and self.io is not None:
+            self.io.begin_fit()  # in each rank's process, from its main thread, before the model is built
 
     def attach(self, settings: FlashpointSettings, io: FlashpointCheckpointIO) -> None:
         self.settings, self.io = settings, io

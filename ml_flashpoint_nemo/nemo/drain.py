@@ -143,7 +143,17 @@ class DurableDrain:
     # --- main thread -------------------------------------------------------------------------
 
     def submit(self, request: DrainRequest) -> None:
-        """Hold the RAM version and queue its drain; a queued one not started yet is replaced (its hold released)."""
+        """Hold the RAM version and queue its drain; a queued one not started yet is replaced (its hold released).
+
+        A closed drain (an aborted run's, when a stale handler submits to it) takes nothing: no thread would
+        release the hold, and whoever waits for the step is not kept waiting."""
+        with self._cond:
+            closing = self._closing
+        if closing:
+            logger.warning("Durable drain of step %d not started: this drain was closed (its run ended or was "
+                           "aborted)", request.step)
+            self._mark_finished(request.step)
+            return
         try:
             self.layout.hold_path(request.step, self.rank).touch()
         except OSError as exc:
@@ -189,12 +199,14 @@ class DurableDrain:
 
     def _run(self) -> None:
         _yield_cpu_to_training()
-        if self._prepare is not None:
+        prepare, self._prepare = self._prepare, None  # it may hold the trainer (NeMo's context): not past its run
+        if prepare is not None:
             try:
-                self._prepare()
+                prepare()
             except Exception as exc:  # noqa: BLE001 - as NeMo's ModelCheckpoint: checkpoints without context
                 logger.warning("Could not prepare %s for drained checkpoints (they are published without the "
                                "NeMo context): %s: %s", self.durable_dir, type(exc).__name__, exc)
+            del prepare
         while True:
             with self._cond:
                 while self._pending is None and not self._closing:
