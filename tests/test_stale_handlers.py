@@ -35,7 +35,8 @@ def checks() -> dict[str, str]:
 
 
 _LABELS = {"LIGHTNING", "LIGHTNING_LATE_STOP", "WITH_PREEMPTION", "WITH_PREEMPTION_LATE_STOP", "RUNNING",
-           "OTHER_THREAD", "MAIN_THREAD", "REALTIME", "NOTHING_TO_PUT_BACK"}
+           "OTHER_THREAD", "MAIN_THREAD", "REALTIME", "NOTHING_TO_PUT_BACK", "NEMO_PREEMPTION",
+           "NEMO_PREEMPTION_LATE_END"}
 
 
 def test_lightnings_handler_of_an_aborted_trainer_is_put_back_and_the_trainer_freed(checks):
@@ -54,6 +55,14 @@ def test_flashpoints_preemption_handler_and_lightnings_beneath_it_are_both_put_b
 def test_the_aborted_callback_stopping_late_puts_back_nothing(checks):
     """Its preemption handler was put back already: a late _stop_drain must not reinstall what it replaced."""
     assert checks["LIGHTNING_LATE_STOP"] == checks["WITH_PREEMPTION_LATE_STOP"] == "sigterm original"
+
+
+def test_nemos_preemption_handler_over_a_stale_one_is_exited_as_its_train_end_would(checks):
+    """NeMo's PreemptionCallback keeps, in its suspended handler context, the Lightning handler it replaced."""
+    assert checks["NEMO_PREEMPTION"] == "installed function sigterm_after original freed True context_left False"
+    assert ("(NeMo's PreemptionCallback handler of signal SIGTERM, Lightning's handler of signal SIGTERM)"
+            in checks["log"])
+    assert checks["NEMO_PREEMPTION_LATE_END"] == "sigterm original"
 
 
 def test_the_handlers_of_a_trainer_still_training_are_kept(checks):

@@ -14,10 +14,12 @@ a trainer that flashpoint wired and whose checkpoint IO has been closed since (b
 or by the end of its training). A trainer whose IO is open, one still training, keeps its handlers.
 Flashpoint's own handlers are OwnedHandlers, which carry that test themselves.
 
-Only the handler on top of each signal is looked at, and then what it replaced. A handler that
-other code installed over a stale one hides it (NeMo's PreemptionCallback does, at train start),
-and Lightning's handler of a trainer flashpoint did not wire is not recognised. A finalize step of
-the restart that puts back the handlers from before the first trainer covers those cases too.
+Only the handler on top of each signal is looked at, and then what it replaced. NeMo's
+PreemptionCallback installs its handler over Lightning's at train start; when that lies over a
+stale handler, its context is exited as its on_train_end would. A handler that other code
+installed over a stale one hides it, and Lightning's handler of a trainer flashpoint did not wire
+is not recognised. A finalize step of the restart that puts back the handlers from before the
+first trainer covers those cases too.
 """
 
 from __future__ import annotations
@@ -104,7 +106,40 @@ def _release_one(new_trainer: Any) -> str | None:
         if previous is not None:
             signal.signal(number, previous)
             return f"Lightning's handler of signal {_signal_name(number)}"
+        if _close_nemo_preemption_handler_over_stale(handler, number, new_trainer):
+            return f"NeMo's PreemptionCallback handler of signal {_signal_name(number)}"
     return None
+
+
+def _is_stale(handler: Any, number: int, new_trainer: Any) -> bool:
+    """Whether _release_one would put back what handler replaced."""
+    if isinstance(handler, OwnedHandler):
+        return handler.owner_finished() and handler.previous is not None
+    return _replaced_by_a_finished_trainer(handler, number, new_trainer) is not None
+
+
+def _close_nemo_preemption_handler_over_stale(handler: Any, number: int, new_trainer: Any) -> bool:
+    """Exit the handler context of NeMo's PreemptionCallback (as its on_train_end would) when it lies over a stale
+    handler; True if it did.
+
+    On NeMo's master rank the callback installs a closure over itself at train start; its suspended context keeps
+    the handler it replaced, Lightning's of that trainer, so a fit cut short before on_train_end keeps the trainer.
+    (Its handler on the other ranks holds nothing, and so hides nothing that stays alive.)
+    """
+    try:
+        from nemo.lightning.pytorch.callbacks.preemption import PreemptionCallback
+    except ImportError:  # pragma: no cover - NeMo is what this package wires
+        return False
+    owner = _closure_value(handler, "self")
+    if not isinstance(owner, PreemptionCallback) or getattr(owner, "sig", None) != number:
+        return False
+    context = owner._handler_context  # noqa: SLF001 - what its on_train_end would exit
+    frame = getattr(getattr(context, "gen", None), "gi_frame", None)
+    if frame is None or not _is_stale(frame.f_locals.get("original_handler"), number, new_trainer):
+        return False
+    context.__exit__(None, None, None)  # its own clean-up: puts back the handler it replaced
+    owner._handler_context = None  # noqa: SLF001
+    return signal.getsignal(number) is not handler
 
 
 def _replaced_by_a_finished_trainer(handler: Any, number: int, new_trainer: Any) -> Any:
@@ -122,6 +157,17 @@ def _replaced_by_a_finished_trainer(handler: Any, number: int, new_trainer: Any)
     if previous is None or previous is handler or _lightning_connector_of(previous) is connector:
         return None
     return previous
+
+
+def _closure_value(function: Any, name: str) -> Any:
+    """The value of a free variable of a Python function (None if it has no such variable or it is unset)."""
+    code, cells = getattr(function, "__code__", None), getattr(function, "__closure__", None) or ()
+    if code is None or name not in code.co_freevars or len(cells) != len(code.co_freevars):
+        return None
+    try:
+        return cells[code.co_freevars.index(name)].cell_contents
+    except ValueError:  # an empty cell
+        return None
 
 
 def _signal_name(number: int) -> str:

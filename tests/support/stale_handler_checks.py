@@ -76,6 +76,28 @@ def main() -> None:
         del callback
         following._flashpoint.io.close(finalize=False)
 
+    # NeMo's PreemptionCallback (which NeMo-Run's PreemptionPlugin adds) over Lightning's handler, at train start;
+    # it needs a process group, as in training.
+    import torch.distributed as dist
+    from nemo.lightning.pytorch.callbacks import PreemptionCallback
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    aborted = wired_and_fitting(base)
+    preemption = PreemptionCallback()
+    preemption.on_train_start(aborted, None)
+    installed = describe(signal.getsignal(signal.SIGTERM))
+    close_live_resources()
+    former = weakref.ref(aborted)
+    del aborted
+    following = trainer()
+    wrap_trainer_with_flashpoint(following, base_dir=base)
+    print("NEMO_PREEMPTION installed", installed, "sigterm_after", describe(signal.getsignal(signal.SIGTERM)),
+          "freed", former() is None, "context_left", preemption._handler_context is not None, flush=True)
+    preemption.on_train_end(None, None)  # as if its on_train_end ran late: nothing more to put back
+    print("NEMO_PREEMPTION_LATE_END sigterm", describe(signal.getsignal(signal.SIGTERM)), flush=True)
+    following._flashpoint.io.close(finalize=False)
+    dist.destroy_process_group()
+
     running = wired_and_fitting(base)  # its IO is open: still training, e.g. a second trainer made during its fit
     other = trainer()
     wrap_trainer_with_flashpoint(other, base_dir=base)
