@@ -36,7 +36,7 @@ def checks() -> dict[str, str]:
 
 _LABELS = {"LIGHTNING", "LIGHTNING_LATE_STOP", "WITH_PREEMPTION", "WITH_PREEMPTION_LATE_STOP", "RUNNING",
            "OTHER_THREAD", "MAIN_THREAD", "REALTIME", "NOTHING_TO_PUT_BACK", "NEMO_PREEMPTION",
-           "NEMO_PREEMPTION_LATE_END"}
+           "NEMO_PREEMPTION_OTHER_RANK", "RUNNING_NEMO", "RUNNING_NEMO_ENDED"}
 
 
 def test_lightnings_handler_of_an_aborted_trainer_is_put_back_and_the_trainer_freed(checks):
@@ -57,12 +57,20 @@ def test_the_aborted_callback_stopping_late_puts_back_nothing(checks):
     assert checks["LIGHTNING_LATE_STOP"] == checks["WITH_PREEMPTION_LATE_STOP"] == "sigterm original"
 
 
-def test_nemos_preemption_handler_over_a_stale_one_is_exited_as_its_train_end_would(checks):
-    """NeMo's PreemptionCallback keeps, in its suspended handler context, the Lightning handler it replaced."""
-    assert checks["NEMO_PREEMPTION"] == "installed function sigterm_after original freed True context_left False"
-    assert ("(NeMo's PreemptionCallback handler of signal SIGTERM, Lightning's handler of signal SIGTERM)"
-            in checks["log"])
-    assert checks["NEMO_PREEMPTION_LATE_END"] == "sigterm original"
+@pytest.mark.parametrize("label, handler", [("NEMO_PREEMPTION", "master_handler"),
+                                            ("NEMO_PREEMPTION_OTHER_RANK", "ignoring_handler")])
+def test_nemos_preemption_context_of_an_aborted_trainer_is_exited_as_its_train_end_would(checks, label, handler):
+    """NeMo's PreemptionCallback keeps, in its suspended handler context, the Lightning handler it replaced, and
+    puts it back when collected: after the next wiring and fit, a collection must bring nothing back."""
+    assert checks[label] == (f"installed {handler} freed True after_collection _HandlersCompose "
+                             "chains_original True")
+    assert checks["log"].count("(NeMo's PreemptionCallback handler of signal SIGTERM, Lightning's handler of "
+                               "signal SIGTERM)") == 2
+
+
+def test_nemos_preemption_handler_of_a_trainer_still_training_is_kept(checks):
+    assert checks["RUNNING_NEMO"] == "kept master_handler"
+    assert checks["RUNNING_NEMO_ENDED"] == "sigterm original"
 
 
 def test_the_handlers_of_a_trainer_still_training_are_kept(checks):

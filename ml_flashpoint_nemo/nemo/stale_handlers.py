@@ -15,11 +15,11 @@ or by the end of its training). A trainer whose IO is open, one still training, 
 Flashpoint's own handlers are OwnedHandlers, which carry that test themselves.
 
 Only the handler on top of each signal is looked at, and then what it replaced. NeMo's
-PreemptionCallback installs its handler over Lightning's at train start; when that lies over a
-stale handler, its context is exited as its on_train_end would. A handler that other code
-installed over a stale one hides it, and Lightning's handler of a trainer flashpoint did not wire
-is not recognised. A finalize step of the restart that puts back the handlers from before the
-first trainer covers those cases too.
+PreemptionCallbacks are remembered at wiring (note_wired_trainer): once their trainer's IO has
+closed, their handler contexts are exited as their on_train_end would, which puts back the
+handler beneath. A handler that other code installed over a stale one hides it, and Lightning's
+handler of a trainer flashpoint did not wire is not recognised. A finalize step of the restart
+that puts back the handlers from before the first trainer covers those cases too.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import gc
 import logging
 import signal
 import threading
+import weakref
 from types import FrameType
 from typing import Any, Callable
 
@@ -77,6 +78,7 @@ def release_stale_signal_handlers(new_trainer: Any) -> int:
         return 0
     released: list[str] = []
     try:
+        released += _exit_preemption_contexts_of_finished_trainers()  # first: they may lie over stale handlers
         for _ in range(_LONGEST_CHAIN):
             what = _release_one(new_trainer)
             if what is None:
@@ -89,6 +91,63 @@ def release_stale_signal_handlers(new_trainer: Any) -> int:
         logger.info("Put back %d signal handler(s) that trainers cut short had left installed (%s); those trainers "
                     "can be freed now", len(released), ", ".join(released))
     return len(released)
+
+
+# (a wired trainer's checkpoint IO, that trainer's NeMo PreemptionCallbacks), weakly, until its IO is found closed.
+_PREEMPTION_CALLBACKS: list[tuple[weakref.ref[Any], list[weakref.ref[Any]]]] = []
+
+
+def note_wired_trainer(trainer: Any, io: Any) -> None:
+    """Remember the trainer's NeMo PreemptionCallbacks, so that their handlers can be put back once its IO closes.
+
+    NeMo's PreemptionCallback (NeMo-Run's PreemptionPlugin adds it) installs its handler at train start over
+    Lightning's, and keeps the handler it replaced in a suspended context that only its on_train_end exits. If
+    that never runs, the context keeps Lightning's handler of the trainer, and when the callback is collected the
+    context's clean-up installs that stale handler again, over whatever is installed then.
+    """
+    callback_type = _nemo_preemption_callback_type()
+    callbacks = [weakref.ref(c) for c in getattr(trainer, "callbacks", ()) if callback_type and
+                 isinstance(c, callback_type)]
+    if callbacks:
+        _PREEMPTION_CALLBACKS.append((weakref.ref(io), callbacks))
+
+
+def _exit_preemption_contexts_of_finished_trainers() -> list[str]:
+    """Exit, as on_train_end would, the handler contexts of the NeMo PreemptionCallbacks of trainers whose IO has
+    closed (or is gone), when their handler is the one installed; what was put back."""
+    released = []
+    for entry in list(_PREEMPTION_CALLBACKS):
+        io = entry[0]()
+        if io is not None and not io.closed:
+            continue
+        _PREEMPTION_CALLBACKS.remove(entry)  # once: a callback reused by a later trainer is that trainer's then
+        for callback in (ref() for ref in entry[1]):
+            if callback is not None and _exit_preemption_context(callback):
+                released.append(f"NeMo's PreemptionCallback handler of signal {_signal_name(callback.sig)}")
+    return released
+
+
+def _exit_preemption_context(callback: Any) -> bool:
+    context = callback._handler_context  # noqa: SLF001 - what its on_train_end would exit
+    frame = getattr(getattr(context, "gen", None), "gi_frame", None)  # None unless suspended at its yield
+    if frame is None:
+        return False
+    installed: object = signal.getsignal(callback.sig)
+    if not any(installed is frame.f_locals.get(name) for name in ("master_handler", "ignoring_handler")):
+        return False  # another handler lies over it: exiting would remove that one
+    try:
+        context.__exit__(None, None, None)  # its own clean-up: puts back the handler it replaced
+    finally:
+        callback._handler_context = None  # noqa: SLF001
+    return True
+
+
+def _nemo_preemption_callback_type() -> type | None:
+    try:
+        from nemo.lightning.pytorch.callbacks.preemption import PreemptionCallback
+    except ImportError:  # pragma: no cover - NeMo is what this package wires
+        return None
+    return PreemptionCallback
 
 
 def _release_one(new_trainer: Any) -> str | None:
@@ -106,40 +165,7 @@ def _release_one(new_trainer: Any) -> str | None:
         if previous is not None:
             signal.signal(number, previous)
             return f"Lightning's handler of signal {_signal_name(number)}"
-        if _close_nemo_preemption_handler_over_stale(handler, number, new_trainer):
-            return f"NeMo's PreemptionCallback handler of signal {_signal_name(number)}"
     return None
-
-
-def _is_stale(handler: Any, number: int, new_trainer: Any) -> bool:
-    """Whether _release_one would put back what handler replaced."""
-    if isinstance(handler, OwnedHandler):
-        return handler.owner_finished() and handler.previous is not None
-    return _replaced_by_a_finished_trainer(handler, number, new_trainer) is not None
-
-
-def _close_nemo_preemption_handler_over_stale(handler: Any, number: int, new_trainer: Any) -> bool:
-    """Exit the handler context of NeMo's PreemptionCallback (as its on_train_end would) when it lies over a stale
-    handler; True if it did.
-
-    On NeMo's master rank the callback installs a closure over itself at train start; its suspended context keeps
-    the handler it replaced, Lightning's of that trainer, so a fit cut short before on_train_end keeps the trainer.
-    (Its handler on the other ranks holds nothing, and so hides nothing that stays alive.)
-    """
-    try:
-        from nemo.lightning.pytorch.callbacks.preemption import PreemptionCallback
-    except ImportError:  # pragma: no cover - NeMo is what this package wires
-        return False
-    owner = _closure_value(handler, "self")
-    if not isinstance(owner, PreemptionCallback) or getattr(owner, "sig", None) != number:
-        return False
-    context = owner._handler_context  # noqa: SLF001 - what its on_train_end would exit
-    frame = getattr(getattr(context, "gen", None), "gi_frame", None)
-    if frame is None or not _is_stale(frame.f_locals.get("original_handler"), number, new_trainer):
-        return False
-    context.__exit__(None, None, None)  # its own clean-up: puts back the handler it replaced
-    owner._handler_context = None  # noqa: SLF001
-    return signal.getsignal(number) is not handler
 
 
 def _replaced_by_a_finished_trainer(handler: Any, number: int, new_trainer: Any) -> Any:
@@ -157,17 +183,6 @@ def _replaced_by_a_finished_trainer(handler: Any, number: int, new_trainer: Any)
     if previous is None or previous is handler or _lightning_connector_of(previous) is connector:
         return None
     return previous
-
-
-def _closure_value(function: Any, name: str) -> Any:
-    """The value of a free variable of a Python function (None if it has no such variable or it is unset)."""
-    code, cells = getattr(function, "__code__", None), getattr(function, "__closure__", None) or ()
-    if code is None or name not in code.co_freevars or len(cells) != len(code.co_freevars):
-        return None
-    try:
-        return cells[code.co_freevars.index(name)].cell_contents
-    except ValueError:  # an empty cell
-        return None
 
 
 def _signal_name(number: int) -> str:

@@ -24,7 +24,7 @@ from ml_flashpoint_nemo.errors import TrainerSetupError
 from ml_flashpoint_nemo.nemo.checkpoint_io import FlashpointCheckpointIO
 from ml_flashpoint_nemo.nemo.resume import install_resume_choice
 from ml_flashpoint_nemo.nemo.settings import FlashpointSettings, FlashpointWiring, wiring_of
-from ml_flashpoint_nemo.nemo.stale_handlers import release_stale_signal_handlers
+from ml_flashpoint_nemo.nemo.stale_handlers import note_wired_trainer, release_stale_signal_handlers
 
 if TYPE_CHECKING:
     from ml_flashpoint_nemo.nemo.callback import FlashpointCallback
@@ -71,6 +71,7 @@ def wire_trainer(
     callback.attach(settings, io)
     wiring = FlashpointWiring(settings, callback, io)
     trainer._flashpoint = wiring
+    note_wired_trainer(trainer, io)
     install_resume_choice(trainer, settings)
     if settings.enabled:
         _start_pool_warmup(settings)

@@ -23,11 +23,17 @@ def original_handler(signum: int, frame: FrameType | None) -> None:
     """The job's own SIGTERM handler, installed before any trainer."""
 
 
-def trainer() -> Any:
+def trainer(callbacks: list[Any] | None = None) -> Any:
     from nemo import lightning as nl
 
     return nl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
-                      strategy=nl.MegatronStrategy(ckpt_async_save=False))
+                      strategy=nl.MegatronStrategy(ckpt_async_save=False), callbacks=callbacks)
+
+
+def say(*parts: object) -> None:
+    """One line in one write: logging (on stdout too, for the test) writes from other threads meanwhile."""
+    sys.stdout.write(" ".join(map(str, parts)) + "\n")
+    sys.stdout.flush()
 
 
 def describe(handler: Any) -> str:
@@ -36,12 +42,16 @@ def describe(handler: Any) -> str:
     return handler.name if isinstance(handler, signal.Handlers) else type(handler).__name__
 
 
-def wired_and_fitting(base: str, *, preemption: bool = False) -> Any:
+def wired_and_fitting(base: str, *, preemption: bool = False, nemo_preemption: bool = False) -> Any:
     from ml_flashpoint_nemo import wrap_trainer_with_flashpoint
 
-    started = trainer()
+    if nemo_preemption:
+        from nemo.lightning.pytorch.callbacks import PreemptionCallback
+    started = trainer([PreemptionCallback()] if nemo_preemption else None)
     wrap_trainer_with_flashpoint(started, base_dir=base)
     started._signal_connector.register_signal_handlers()  # as Lightning's _run, after the setup hook
+    if nemo_preemption:  # its on_train_start, after Lightning's registration
+        next(c for c in started.callbacks if isinstance(c, PreemptionCallback)).on_train_start(started, None)
     if preemption:  # as FlashpointCallback._start_drain does with preemption_signal="SIGTERM"
         started._flashpoint.callback._install_preemption_handler(signal.SIGTERM)
     return started
@@ -69,33 +79,49 @@ def main() -> None:
         kept_alive = former() is not None
         following = trainer()
         wrap_trainer_with_flashpoint(following, base_dir=base)
-        print(label, "installed", installed, "kept_alive_before", kept_alive,
-              "sigterm_after", describe(signal.getsignal(signal.SIGTERM)), "freed", former() is None, flush=True)
+        say(label, "installed", installed, "kept_alive_before", kept_alive,
+              "sigterm_after", describe(signal.getsignal(signal.SIGTERM)), "freed", former() is None)
         callback._stop_drain()  # the aborted fit's callback, reused or torn down late: it must put back nothing now
-        print(label + "_LATE_STOP", "sigterm", describe(signal.getsignal(signal.SIGTERM)), flush=True)
+        say(label + "_LATE_STOP", "sigterm", describe(signal.getsignal(signal.SIGTERM)))
         del callback
         following._flashpoint.io.close(finalize=False)
 
     # NeMo's PreemptionCallback (which NeMo-Run's PreemptionPlugin adds) over Lightning's handler, at train start;
-    # it needs a process group, as in training.
+    # it needs a process group, as in training. On NeMo's master rank its handler is a closure over itself, on the
+    # others a plain function (rank 1 is stood in for by torch.distributed.get_rank returning 1).
     import torch.distributed as dist
     from nemo.lightning.pytorch.callbacks import PreemptionCallback
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    aborted = wired_and_fitting(base)
-    preemption = PreemptionCallback()
-    preemption.on_train_start(aborted, None)
-    installed = describe(signal.getsignal(signal.SIGTERM))
+    real_get_rank = dist.get_rank
+    for label, rank in (("NEMO_PREEMPTION", 0), ("NEMO_PREEMPTION_OTHER_RANK", 1)):
+        dist.get_rank = lambda *unused, rank=rank: rank  # type: ignore[misc]
+        aborted = wired_and_fitting(base, nemo_preemption=True)
+        dist.get_rank = real_get_rank
+        preemption = next(c for c in aborted.callbacks if isinstance(c, PreemptionCallback))
+        installed = getattr(signal.getsignal(signal.SIGTERM), "__name__", "?")
+        close_live_resources()
+        former = weakref.ref(aborted)
+        del aborted
+        following = trainer()
+        wrap_trainer_with_flashpoint(following, base_dir=base)
+        following._signal_connector.register_signal_handlers()  # the next fit
+        del preemption
+        gc.collect()  # the aborted trainer's callbacks collected: nothing of theirs may come back
+        say(label, "installed", installed, "freed", former() is None, "after_collection",
+              describe(signal.getsignal(signal.SIGTERM)),
+              "chains_original", original_handler in signal.getsignal(signal.SIGTERM).signal_handlers)
+        following._signal_connector.teardown()
+        following._flashpoint.io.close(finalize=False)
+
+    running = wired_and_fitting(base, nemo_preemption=True)  # its IO is open: its handlers stay
+    other = trainer()
+    wrap_trainer_with_flashpoint(other, base_dir=base)
+    say("RUNNING_NEMO kept", getattr(signal.getsignal(signal.SIGTERM), "__name__", "?"))
+    next(c for c in running.callbacks if isinstance(c, PreemptionCallback)).on_train_end(running, None)
+    running._signal_connector.teardown()
+    say("RUNNING_NEMO_ENDED sigterm", describe(signal.getsignal(signal.SIGTERM)))
     close_live_resources()
-    former = weakref.ref(aborted)
-    del aborted
-    following = trainer()
-    wrap_trainer_with_flashpoint(following, base_dir=base)
-    print("NEMO_PREEMPTION installed", installed, "sigterm_after", describe(signal.getsignal(signal.SIGTERM)),
-          "freed", former() is None, "context_left", preemption._handler_context is not None, flush=True)
-    preemption.on_train_end(None, None)  # as if its on_train_end ran late: nothing more to put back
-    print("NEMO_PREEMPTION_LATE_END sigterm", describe(signal.getsignal(signal.SIGTERM)), flush=True)
-    following._flashpoint.io.close(finalize=False)
     dist.destroy_process_group()
 
     running = wired_and_fitting(base)  # its IO is open: still training, e.g. a second trainer made during its fit
@@ -103,7 +129,7 @@ def main() -> None:
     wrap_trainer_with_flashpoint(other, base_dir=base)
     handler = signal.getsignal(signal.SIGTERM)
     owner = getattr(handler.signal_handlers[0], "__self__", None)
-    print("RUNNING kept", owner is not None and owner.trainer is running, flush=True)
+    say("RUNNING kept", owner is not None and owner.trainer is running)
     running._signal_connector.teardown()  # its own teardown puts the original back
     close_live_resources()
 
@@ -113,21 +139,21 @@ def main() -> None:
     thread = threading.Thread(target=lambda: counts.append(release_stale_signal_handlers(trainer())))
     thread.start()
     thread.join()
-    print("OTHER_THREAD released", counts[0], "sigterm", describe(signal.getsignal(signal.SIGTERM)), flush=True)
-    print("MAIN_THREAD released", release_stale_signal_handlers(trainer()),
-          "sigterm", describe(signal.getsignal(signal.SIGTERM)), flush=True)
+    say("OTHER_THREAD released", counts[0], "sigterm", describe(signal.getsignal(signal.SIGTERM)))
+    say("MAIN_THREAD released", release_stale_signal_handlers(trainer()),
+          "sigterm", describe(signal.getsignal(signal.SIGTERM)))
     close_live_resources()
 
     from ml_flashpoint_nemo.nemo.stale_handlers import OwnedHandler
 
     realtime = signal.SIGRTMIN + 1  # no name in signal.Signals
     OwnedHandler(realtime, original_handler, owner_finished=lambda: True, what="a finished owner's handler")
-    print("REALTIME released", release_stale_signal_handlers(trainer()),
-          "handler", describe(signal.getsignal(realtime)), flush=True)
+    say("REALTIME released", release_stale_signal_handlers(trainer()),
+          "handler", describe(signal.getsignal(realtime)))
     stuck = OwnedHandler(realtime, original_handler, owner_finished=lambda: True, what="a finished owner's handler")
     stuck.previous = None  # it replaced a handler installed outside Python: nothing to put back
-    print("NOTHING_TO_PUT_BACK released", release_stale_signal_handlers(trainer()),
-          "handler", describe(signal.getsignal(realtime)), flush=True)
+    say("NOTHING_TO_PUT_BACK released", release_stale_signal_handlers(trainer()),
+          "handler", describe(signal.getsignal(realtime)))
     signal.signal(realtime, signal.SIG_DFL)
 
 
