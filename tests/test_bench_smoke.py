@@ -1,4 +1,5 @@
-"""The benchmarks (bench_core.py, bench_crc32c.py, bench_transfer_authz.py) run end to end on tiny inputs and report every measurement."""
+"""The benchmarks (bench_core.py, bench_crc32c.py, bench_transfer_authz.py, bench_first_save.py) run end to end on
+tiny inputs and report every measurement."""
 
 from __future__ import annotations
 
@@ -65,3 +66,19 @@ def test_bench_transfer_authz_reports_both_servers_and_ratios():
             assert report[f"median_{kind}_{key}_s"] > 0, (kind, key)
     assert all(report[f"ratio_{key}_policy_vs_open"] > 0 for key in ("small_wall", "small_cpu", "large_wall",
                                                                       "large_cpu"))
+
+
+def test_bench_first_save_compares_the_first_save_with_later_ones_and_times_the_planning(shm_dir: Path):
+    command = [sys.executable, "benchmarks/bench_first_save.py", "--size-gib", "0.01", "--runs", "2", "--saves", "3",
+               "--repeats", "2", "--base-dir", str(shm_dir)]
+    result = subprocess.run([*command, "--json"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout.splitlines()[-1])
+    assert len(report["runs"]) == 2 and report["records"] > 0
+    assert all(run["first_ms"] > 0 and run["later_median_ms"] > 0 for run in report["runs"])
+    assert all(report[key] > 0 for key in ("tensor_columns_ms", "plan_object_ms", "index_template_ms",
+                                           "padding_ops_ms"))
+    assert report["index_template_ms"] < report["plan_object_ms"] * 1.5  # a part of it (timed separately)
+    assert not any(shm_dir.iterdir()), "the benchmark left files behind"
+    refused = subprocess.run([*command[:7], "1"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--saves must be at least 2" in refused.stderr

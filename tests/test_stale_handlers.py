@@ -36,7 +36,8 @@ def checks() -> dict[str, str]:
 
 _LABELS = {"LIGHTNING", "LIGHTNING_LATE_STOP", "WITH_PREEMPTION", "WITH_PREEMPTION_LATE_STOP", "RUNNING",
            "OTHER_THREAD", "MAIN_THREAD", "REALTIME", "NOTHING_TO_PUT_BACK", "NEMO_PREEMPTION",
-           "NEMO_PREEMPTION_OTHER_RANK", "RUNNING_NEMO", "RUNNING_NEMO_ENDED"}
+           "NEMO_PREEMPTION_OTHER_RANK", "RUNNING_NEMO", "RUNNING_NEMO_ENDED", "OWNER_CHECK_FAILS",
+           "PUT_BACK_OTHER_THREAD"}
 
 
 def test_lightnings_handler_of_an_aborted_trainer_is_put_back_and_the_trainer_freed(checks):
@@ -86,3 +87,13 @@ def test_a_real_time_signal_is_named_by_its_number_and_a_handler_with_nothing_to
     assert checks["REALTIME"] == "released 1 handler SIG_DFL"  # what it replaced
     assert f"a finished owner's handler of signal {int(signal.SIGRTMIN) + 1}" in checks["log"]
     assert checks["NOTHING_TO_PUT_BACK"] == "released 0 handler OwnedHandler"  # found, left, and not counted
+
+
+def test_a_failing_check_is_logged_and_never_stops_the_wiring(checks):
+    assert checks["OWNER_CHECK_FAILS"] == "released 0 handler OwnedHandler"
+    assert "Could not check for signal handlers left by earlier trainers" in checks["log"]
+    assert "ZeroDivisionError" in checks["log"]
+
+
+def test_a_handler_is_put_back_only_from_the_main_thread(checks):
+    assert checks["PUT_BACK_OTHER_THREAD"] == "False handler OwnedHandler"

@@ -147,22 +147,23 @@ class DurableDrain:
 
         A closed drain (an aborted run's, when a stale handler submits to it) takes nothing: no thread would
         release the hold, and whoever waits for the step is not kept waiting."""
-        with self._cond:
-            closing = self._closing
-        if closing:
-            logger.warning("Durable drain of step %d not started: this drain was closed (its run ended or was "
-                           "aborted)", request.step)
-            self._mark_finished(request.step)
-            return
         try:
             self.layout.hold_path(request.step, self.rank).touch()
         except OSError as exc:
             self._fail(request, f"cannot hold RAM version {request.step}: {exc}")
             return
-        with self._cond:
-            replaced = self._pending
-            self._pending = request
-            self._cond.notify_all()
+        with self._cond:  # decided under the lock close() takes: a request is queued only while a thread will take it
+            closing = self._closing
+            replaced = None if closing else self._pending
+            if not closing:
+                self._pending = request
+                self._cond.notify_all()
+        if closing:
+            logger.warning("Durable drain of step %d not started: this drain was closed (its run ended or was "
+                           "aborted)", request.step)
+            self._release(request.step)
+            self._mark_finished(request.step)
+            return
         if replaced is not None and replaced.step != request.step:
             logger.warning("Durable drain of step %d skipped for step %d: the drain before it is still running "
                            "(raise durable_bytes_per_s or durable_every_n_steps)", replaced.step, request.step)

@@ -155,6 +155,15 @@ def main() -> None:
     say("NOTHING_TO_PUT_BACK released", release_stale_signal_handlers(trainer()),
           "handler", describe(signal.getsignal(realtime)))
     signal.signal(realtime, signal.SIG_DFL)
+    failing = OwnedHandler(realtime, original_handler, owner_finished=lambda: 1 / 0, what="a broken owner's handler")
+    say("OWNER_CHECK_FAILS released", release_stale_signal_handlers(trainer()),
+        "handler", describe(signal.getsignal(realtime)))
+    put_back: list[bool] = []
+    elsewhere = threading.Thread(target=lambda: put_back.append(failing.put_back()))
+    elsewhere.start()
+    elsewhere.join()
+    say("PUT_BACK_OTHER_THREAD", put_back[0], "handler", describe(signal.getsignal(realtime)))
+    signal.signal(realtime, signal.SIG_DFL)
 
 
 if __name__ == "__main__":
