@@ -6,12 +6,15 @@ base directory is left as it was.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from ml_flashpoint_nemo import _core
 from ml_flashpoint_nemo.cli import main
 from ml_flashpoint_nemo.cli.common import (
     EXIT_OK,
@@ -23,9 +26,13 @@ from ml_flashpoint_nemo.cli.common import (
     iso_time,
     scan_pool,
     scan_replica_spares,
+    valid_time,
 )
-from ml_flashpoint_nemo.core import CheckpointSaver, committed_steps
+from ml_flashpoint_nemo.core import CheckpointSaver, committed_steps, loader
+from ml_flashpoint_nemo.core.format import CommitRecord
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
+from ml_flashpoint_nemo.core.versions import read_commit, write_commit
+from tests.support.forge import forge_commit
 
 
 def listing(path: Path) -> list[str]:
@@ -112,3 +119,97 @@ def test_byte_counts_are_human(n, text):
 def test_missing_times_print_as_a_dash_or_null():
     assert format_time(None) == "-" and iso_time(None) is None
     assert format_time(0.0).count(":") == 2 and iso_time(0.0).startswith(("1970", "1969"))
+
+
+@pytest.mark.parametrize("unix", [float("nan"), float("inf"), -float("inf"), 1e300, -1e300])
+def test_no_time_prints_as_invalid_or_null(unix):
+    assert format_time(unix) == "invalid" and iso_time(unix) is None and valid_time(unix) is None
+
+
+# --- a commit record's creation time that is no time (finding 6a) -----------------------------
+
+
+def forge_created_unix(base: Path, step: int, token: str) -> None:
+    """Write `token` as the JSON text of step's created_unix, every CRC made consistent again."""
+    path = base / f"step-{step}" / "COMMIT"
+    forge_commit(path, lambda payload: payload.update(created_unix="@@"))
+    body = path.read_bytes().rpartition(b"\ncrc32c=")[0].replace(b'"@@"', token.encode())
+    path.write_bytes(body + f"\ncrc32c={_core.crc32c(body):08x}\n".encode())
+
+
+def strict_json(text: str) -> Any:
+    """Parse as a strict JSON parser would: NaN and Infinity are not JSON."""
+    def refuse(token: str) -> Any:
+        raise AssertionError(f"{token} in --json output")
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("token", ["NaN", "Infinity", "-Infinity", "1e309", '"nan"', "1e300", "1" + "0" * 400])
+def test_ls_lists_a_version_whose_creation_time_is_no_time(shm_dir, capsys, token):
+    """NaN, an infinity, a number beyond any date: the version is listed, its time shown as invalid."""
+    base = shm_dir / "base"
+    with CheckpointSaver(base, rank=0) as saver:
+        saver.save(1, {"w": torch.ones(3)}, keep=None)
+        saver.save(2, {"w": torch.ones(3)}, keep=None)
+    forge_created_unix(base, 2, token)
+    assert main(["ls", str(base)]) == EXIT_OK
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err
+    (row,) = [line for line in out.splitlines() if line.split()[:1] == ["2"]]
+    assert main(["ls", "--json", str(base)]) == EXIT_OK
+    versions = {v["step"]: v for v in strict_json(capsys.readouterr().out)["versions"]}
+    assert versions[1]["created_valid"] and isinstance(versions[1]["created_unix"], float)
+    forged = versions[2]
+    if forged["state"] == "unreadable":  # a decoder may refuse the record as corrupt: listed, with why
+        assert "unreadable" in row and "step 2: commit record unreadable" in out, out
+        return
+    assert forged["state"] == "committed" and "invalid" in row.split(), out
+    assert forged["created_unix"] is None and forged["created"] is None and not forged["created_valid"]
+
+
+# --- verify's work grows with the objects, not objects times ranks (finding 6b) -------------------
+
+
+def many_rank_version(base: Path, step: int, world_size: int) -> None:
+    """One committed version with one tiny object per rank, written by each rank's own saver.
+
+    Each object file is cut to its object's size: the pool buffer it lives in is larger (MiBs each).
+    """
+    layout = CheckpointLayout(base)
+    written = []
+    for rank in range(world_size):
+        with CheckpointSaver(base, rank=rank, threads=1) as saver:
+            record = saver.write_object(step, {"w": torch.full((4,), float(rank))}).record
+        os.truncate(layout.object_path(step, record.name), record.nbytes)
+        written.append(record)
+    write_commit(layout, step, written, world_size=world_size)
+
+
+@pytest.mark.parametrize("world_size", [3, 24])
+def test_verify_reads_the_commit_record_once_and_each_object_once(shm_dir, capsys, monkeypatch, world_size):
+    """Counted, not timed: one commit record decode and one object open per object, whatever the rank count.
+
+    It was one whole verification of the version per rank (the record decoded and scanned again
+    each time), quadratic in the objects: 2,000 one-object ranks took minutes.
+    """
+    base = shm_dir / "base"
+    many_rank_version(base, 1, world_size)
+    decodes: list[str] = []
+    opens: list[str] = []
+    real_decode, real_open = CommitRecord.decode.__func__, loader.open_object  # type: ignore[attr-defined]
+
+    def counted_decode(cls: type[CommitRecord], raw: bytes, path: str) -> CommitRecord:
+        decodes.append(path)
+        return real_decode(cls, raw, path)
+
+    def counted_open(path: str, record: Any) -> Any:
+        opens.append(os.path.basename(path))
+        return real_open(path, record)
+
+    monkeypatch.setattr(CommitRecord, "decode", classmethod(counted_decode))
+    monkeypatch.setattr(loader, "open_object", counted_open)
+    assert main(["verify", "--json", str(base)]) == EXIT_OK
+    (version,) = strict_json(capsys.readouterr().out)["versions"]
+    assert version["ok"] and version["objects"] == world_size
+    assert len(decodes) == 1, decodes
+    assert sorted(opens) == sorted(o.name for o in read_commit(CheckpointLayout(base), 1).objects)

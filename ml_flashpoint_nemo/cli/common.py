@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import math
 import os
 import sys
 import time
@@ -250,16 +251,40 @@ def human_bytes(n: int) -> str:
     raise AssertionError("unreachable")
 
 
+INVALID_TIME = "invalid"
+
+
+def local_time(unix: float) -> time.struct_time | None:
+    """unix as local time, or None when it is no time at all (NaN, infinite, beyond the platform's range).
+
+    A commit record's created_unix is read from a file: a NaN or a number too large to be a
+    date must print as invalid, not end the listing.
+    """
+    if not math.isfinite(unix):
+        return None
+    try:
+        return time.localtime(unix)
+    except (OverflowError, OSError, ValueError):
+        return None
+
+
+def valid_time(unix: float | None) -> float | None:
+    """unix when it is a time local_time can show, else None (what JSON output carries instead of NaN)."""
+    return unix if unix is not None and local_time(unix) is not None else None
+
+
 def format_time(unix: float | None) -> str:
     if unix is None:
         return "-"
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix))
+    when = local_time(unix)
+    return INVALID_TIME if when is None else time.strftime("%Y-%m-%d %H:%M:%S", when)
 
 
 def iso_time(unix: float | None) -> str | None:
     if unix is None:
         return None
-    return time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(unix))
+    when = local_time(unix)
+    return None if when is None else time.strftime("%Y-%m-%dT%H:%M:%S%z", when)
 
 
 def compact_ranks(ranks: Iterable[int]) -> str:
@@ -278,11 +303,15 @@ def compact_ranks(ranks: Iterable[int]) -> str:
     return ",".join(parts)
 
 
-def print_table(rows: list[list[str]], out: TextIO = sys.stdout) -> None:
+def print_table(rows: list[list[str]], out: TextIO | None = None) -> None:
+    """Rows in aligned columns, to out or the sys.stdout of the moment (so redirections of it apply)."""
+    out = out or sys.stdout
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         out.write("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() + "\n")
 
 
-def print_json(document: Any, out: TextIO = sys.stdout) -> None:
-    out.write(json.dumps(document, indent=2, sort_keys=False) + "\n")
+def print_json(document: Any, out: TextIO | None = None) -> None:
+    """Strict JSON: a NaN or infinity raises here instead of printing a token JSON parsers refuse."""
+    out = out or sys.stdout
+    out.write(json.dumps(document, indent=2, sort_keys=False, allow_nan=False) + "\n")

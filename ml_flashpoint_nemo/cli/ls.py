@@ -19,6 +19,7 @@ from ml_flashpoint_nemo.cli.common import (
     print_table,
     scan_pool,
     scan_replica_spares,
+    valid_time,
 )
 from ml_flashpoint_nemo.core.format import CommitRecord
 from ml_flashpoint_nemo.core.layout import (
@@ -100,6 +101,11 @@ class VersionEntry:
         return str(self.record.metadata.get("kind") or "core")
 
     @property
+    def created_unix(self) -> float | None:
+        """When the commit record says it was made (as read: possibly NaN or out of range), else the mtime."""
+        return self.record.created_unix if self.record is not None else self.mtime
+
+    @property
     def missing_objects(self) -> list[str]:
         if self.record is None:
             return []
@@ -122,8 +128,9 @@ class VersionEntry:
             "object_nbytes": self.object_nbytes,
             "file_nbytes": self.file_nbytes,
             "files": sorted((record.metadata.get("files") or {}) if record else []),
-            "created_unix": record.created_unix if record else self.mtime,
-            "created": iso_time(record.created_unix if record else self.mtime),
+            "created_unix": valid_time(self.created_unix),
+            "created": iso_time(self.created_unix),
+            "created_valid": valid_time(self.created_unix) is not None,
             "replication": replication_state(layout, record),
             "allocated_nbytes": self.allocated,
             "missing_objects": self.missing_objects,
@@ -160,7 +167,8 @@ def scan_versions(layout: CheckpointLayout) -> list[VersionEntry]:
             try:
                 entry.record = read_commit(layout, step)
                 entry.state = "committed"
-            except (CorruptCheckpointError, FormatVersionError, VersionNotFoundError, OSError) as exc:
+            except (CorruptCheckpointError, FormatVersionError, VersionNotFoundError, OSError,
+                    OverflowError, ValueError) as exc:  # a number no float holds (e.g. created_unix 1e400 as digits)
                 entry.state = "unreadable"
                 entry.error = str(exc)
         entries.append(entry)
@@ -200,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
                 str(v.object_count),
                 human_bytes(v.object_nbytes + v.file_nbytes),
                 human_bytes(v.allocated),
-                format_time(v.record.created_unix if v.record else v.mtime),
+                format_time(v.created_unix),
                 (replication_state(layout, v.record) or UNKNOWN) if v.record else "-",
                 _note(v),
             ])
@@ -234,6 +242,8 @@ def _note(v: VersionEntry) -> str:
         notes.append("commit record unreadable (see below)")
     if v.state == "uncommitted":
         notes.append("leftover of an unfinished save" if v.leftover else "uncommitted (save in progress or crashed)")
+    if v.record is not None and valid_time(v.created_unix) is None:
+        notes.append("commit record's creation time is invalid")
     if v.missing_objects:
         notes.append(f"{len(v.missing_objects)} object(s) not on this node")
     if v.temp_files:

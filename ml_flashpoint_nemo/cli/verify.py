@@ -16,7 +16,10 @@ from ml_flashpoint_nemo.cli.common import (
     parse_step,
     print_json,
 )
+from ml_flashpoint_nemo.core.format import CommitRecord, ObjectRecord
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
+from ml_flashpoint_nemo.core.tuning import default_copy_threads
+from ml_flashpoint_nemo.core.version_files import check_version_files
 from ml_flashpoint_nemo.core.versions import committed_steps, read_commit
 from ml_flashpoint_nemo.errors import CorruptCheckpointError, FlashpointError, FormatVersionError
 
@@ -38,30 +41,51 @@ def _problem(exc: BaseException, rank: int | None) -> dict[str, Any]:
 def verify_step(layout: CheckpointLayout, step: int, threads: int | None) -> dict[str, Any]:
     """Verify one committed version: its commit record, version files, then every rank's objects.
 
-    Ranks are verified one by one, so every corrupt rank is reported, not only the first.
+    The commit record is read and the version files checked once; each object is then checked
+    once, rank by rank, so the work grows with the number of objects (not objects times ranks)
+    and every corrupt rank is reported, not only the first.
     """
-    from ml_flashpoint_nemo.core.loader import verify_version  # imports torch
-
     result: dict[str, Any] = {"step": step, "ok": False, "objects": 0, "records": 0, "nbytes": 0, "files": 0,
                               "problems": []}
     problems = result["problems"]
     try:
         commit = read_commit(layout, step)
-        result["files"] = verify_version(layout.base_dir, step, ranks=[], threads=threads).files
+        result["files"] = check_version_files(layout, commit)
     except (FlashpointError, OSError) as exc:  # commit record or a version-level file
         problems.append(_problem(exc, None))
         return result
-    for rank in sorted({o.rank for o in commit.objects}):
+    threads = threads or default_copy_threads()
+    for rank, objects in objects_by_rank(commit).items():
         try:
-            report = verify_version(layout.base_dir, step, ranks=[rank], threads=threads)
+            records, nbytes = verify_rank(layout, step, objects, threads)
         except (FlashpointError, OSError) as exc:
             problems.append(_problem(exc, rank))
             continue
-        result["objects"] += report.objects
-        result["records"] += report.records
-        result["nbytes"] += report.nbytes
+        result["objects"] += len(objects)
+        result["records"] += records
+        result["nbytes"] += nbytes
     result["ok"] = not problems
     return result
+
+
+def objects_by_rank(commit: CommitRecord) -> dict[int, list[ObjectRecord]]:
+    """The commit record's objects grouped by rank, ranks in ascending order, in one pass."""
+    groups: dict[int, list[ObjectRecord]] = {}
+    for obj in commit.objects:
+        groups.setdefault(obj.rank, []).append(obj)
+    return dict(sorted(groups.items()))
+
+
+def verify_rank(layout: CheckpointLayout, step: int, objects: list[ObjectRecord], threads: int) -> tuple[int, int]:
+    """Check every byte of one rank's objects; (records, bytes); raises on the first problem."""
+    from ml_flashpoint_nemo.core.loader import verify_object_file  # imports torch
+
+    records = nbytes = 0
+    for obj in objects:
+        count, size = verify_object_file(layout.object_path(step, obj.name), obj, threads)
+        records += count
+        nbytes += size
+    return records, nbytes
 
 
 _VERDICTS = {"corrupt": "CORRUPT", "failure": "FAILED", "format": "UNSUPPORTED FORMAT (not corrupt)"}

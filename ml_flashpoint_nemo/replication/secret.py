@@ -8,6 +8,10 @@ checkpoint objects. Where it comes from, best first:
     neither                              rank 0 draws one and broadcasts it through c10d, in clear
                                          on the training network (warned once, on rank 0)
 
+A variable that is set but blank is an error, not "unset": a launcher that meant to pass a
+secret and passed nothing must not silently fall back to the broadcast. A configured secret
+must look random (see refuse_predictable_secret); new_secret_hex makes one.
+
 Ranks check that they hold the same secret by all-gathering a keyed hash of it (HMAC-SHA256
 of a fixed label), never the secret itself. Every decision is taken from the gathered values,
 so every rank raises the same ReplicationSecretError or none does.
@@ -33,6 +37,7 @@ SECRET_FILE_ENV = "FLASHPOINT_REPLICATION_SECRET_FILE"
 BROADCAST_SECRET_BYTES = 32
 MIN_SECRET_BYTES = 16          # the transfer service refuses shorter secrets
 MAX_SECRET_FILE_BYTES = 4096   # a secret file is a line of hex digits, not a data file
+MAX_DISTINCT_BYTES_REQUIRED = 64  # a long random secret is not asked for more different byte values than this
 _CHECK_LABEL = b"ml_flashpoint_nemo replication secret check v1"
 
 _warned_broadcast = False
@@ -48,18 +53,45 @@ def secret_check(secret: bytes) -> bytes:
     return hmac.new(secret, _CHECK_LABEL, hashlib.sha256).digest()
 
 
+MAKE_ONE = ("make one with `python -c \"from ml_flashpoint_nemo.replication.secret import new_secret_hex; "
+            "print(new_secret_hex())\"`")
+
+
+def required_distinct_bytes(nbytes: int) -> int:
+    """How many different byte values a secret of nbytes must hold: half its length, at most 64.
+
+    Random bytes pass with room to spare (a random 16-byte secret fails with odds below 1e-12,
+    a 32-byte one below 1e-16), while zeros, one repeated byte or a short repeated pattern fail.
+    """
+    return min(nbytes // 2, MAX_DISTINCT_BYTES_REQUIRED)
+
+
+def refuse_predictable_secret(secret: bytes, where: str) -> None:
+    """ReplicationSecretError when the secret is visibly not random; the message never shows it."""
+    distinct, needed = len(set(secret)), required_distinct_bytes(len(secret))
+    if distinct < needed:
+        raise ReplicationSecretError(
+            f"{where} is too predictable to be a replication secret: its {len(secret)} bytes hold only {distinct} "
+            f"different byte value(s), and a secret needs at least half as many different values as it has "
+            f"bytes (at most {MAX_DISTINCT_BYTES_REQUIRED}), so zeros, one repeated byte or a short repeated "
+            f"pattern are refused; {MAKE_ONE}")
+
+
 def _parse_hex(text: str, where: str) -> bytes:
     digits = "".join(text.split())
+    if not digits:
+        raise ReplicationSecretError(f"{where} is empty; write {2 * BROADCAST_SECRET_BYTES} hex digits into it: "
+                                     f"{MAKE_ONE}")
     try:
         secret = bytes.fromhex(digits)
     except ValueError:
         raise ReplicationSecretError(
-            f"{where} is not hexadecimal; write {2 * BROADCAST_SECRET_BYTES} hex digits into it, e.g. "
-            "from `python -c \"import secrets; print(secrets.token_hex(32))\"`") from None
+            f"{where} is not hexadecimal; write {2 * BROADCAST_SECRET_BYTES} hex digits into it: {MAKE_ONE}") from None
     if len(secret) < MIN_SECRET_BYTES:
         raise ReplicationSecretError(
             f"{where} holds {len(secret)} bytes; the replication secret needs at least {MIN_SECRET_BYTES} "
-            f"random bytes ({2 * MIN_SECRET_BYTES} hex digits, {2 * BROADCAST_SECRET_BYTES} recommended)")
+            f"random bytes ({2 * MIN_SECRET_BYTES} hex digits, {2 * BROADCAST_SECRET_BYTES} recommended): {MAKE_ONE}")
+    refuse_predictable_secret(secret, where)
     return secret
 
 
@@ -94,16 +126,25 @@ def read_secret_file(path: str) -> bytes:
     return _parse_hex(text, where)
 
 
+def _refuse_blank(env: Mapping[str, str], name: str) -> None:
+    """A variable that is set but holds only whitespace: an error, so that it never reads as unset."""
+    if name in env and not env[name].strip():
+        raise ReplicationSecretError(
+            f"{name} is set but empty; give it a value ({MAKE_ONE}), or unset it (`unset {name}`) to have "
+            "rank 0 broadcast a secret in clear")
+
+
 def configured_secret(environ: Mapping[str, str] | None = None) -> tuple[bytes, str] | None:
     """(secret, where it came from) from the environment or the secret file; None when neither is set."""
     env = os.environ if environ is None else environ
-    text, path = env.get(SECRET_ENV, "").strip(), env.get(SECRET_FILE_ENV, "").strip()
-    if text and path:
+    _refuse_blank(env, SECRET_ENV)
+    _refuse_blank(env, SECRET_FILE_ENV)
+    if SECRET_ENV in env and SECRET_FILE_ENV in env:
         raise ReplicationSecretError(f"both {SECRET_ENV} and {SECRET_FILE_ENV} are set; set only one")
-    if path:
-        return read_secret_file(path), SECRET_FILE_ENV
-    if text:
-        return _parse_hex(text, SECRET_ENV), SECRET_ENV
+    if SECRET_FILE_ENV in env:
+        return read_secret_file(env[SECRET_FILE_ENV].strip()), SECRET_FILE_ENV
+    if SECRET_ENV in env:
+        return _parse_hex(env[SECRET_ENV], SECRET_ENV), SECRET_ENV
     return None
 
 
