@@ -30,7 +30,7 @@ STRANGER = "127.0.0.2"
 def allow_list_of_the_job(p: dict[str, Any]) -> None:
     rank = dist.get_rank()
     os.environ[HOST_ENV] = f"127.0.0.{3 + rank}"
-    os.environ["FLASHPOINT_REPLICATION_SECRET"] = "ab" * 32
+    os.environ["FLASHPOINT_REPLICATION_SECRET"] = "5453228015bd9dfd225c4642584964855c1666bb89fb27f5f2e30aa45493b0e8"
     base = Path(p["root"]) / f"node-{rank}"
     topology = NodeTopology((0, 1), rank)  # two nodes of one rank each
     config = ReplicationConfig(io_timeout_s=5.0, restrict_peers=p["restrict"], factor=2)

@@ -74,7 +74,7 @@ def choose_after_a_listing_failure(p: dict[str, Any]) -> None:
         def broken(layout: Any) -> list[int]:
             raise PermissionError(13, "Permission denied", os.fspath(layout.base_dir))
         recovery.committed_steps = broken
-    os.environ["FLASHPOINT_REPLICATION_SECRET"] = "ab" * 32
+    os.environ["FLASHPOINT_REPLICATION_SECRET"] = "5453228015bd9dfd225c4642584964855c1666bb89fb27f5f2e30aa45493b0e8"
     print(f"CHOSEN {recovery.choose_version(base).step}", flush=True)
 
 
@@ -89,7 +89,7 @@ def choose_after_an_inventory_failure(p: dict[str, Any]) -> None:
         def broken(layout: Any) -> list[int]:
             raise PermissionError(13, "Permission denied", os.fspath(layout.base_dir))
         CheckpointLayout.version_steps = broken  # type: ignore[method-assign]
-    os.environ["FLASHPOINT_REPLICATION_SECRET"] = "ab" * 32
+    os.environ["FLASHPOINT_REPLICATION_SECRET"] = "5453228015bd9dfd225c4642584964855c1666bb89fb27f5f2e30aa45493b0e8"
     print(f"CHOSEN {recovery.choose_version(base).step}", flush=True)
 
 

@@ -43,7 +43,7 @@ from tests.support.one_rank_sites import (  # noqa: E402
 
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr, force=True)
 
-SECRET = "ef" * 32
+SECRET = "1b4bc043290ae7e2145ab0cbc35d27e3213050fd81531f58ff0672dc2db5408b"
 
 
 def attempt(label: str, action: Callable[[], Any]) -> str:

@@ -38,7 +38,7 @@ from tests.support.one_rank_sites import (
 
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr, force=True)
 
-SECRET = "cd" * 32
+SECRET = "58715d4a1f6878f26cb0f20080911b81dc32c94442126ee5e81738e62c067938"
 CONFIG = ReplicationConfig(io_timeout_s=2.0, connect_timeout_s=2.0, retries=0)
 
 
