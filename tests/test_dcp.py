@@ -546,8 +546,8 @@ def test_lookup_table_is_reused_only_for_the_same_metadata_bytes(base_dir, monke
 
     monkeypatch.setattr(reader_module, "_TABLES", OrderedDict())
     checks = []
-    real_checked_chunk_sizes = reader_module.checked_chunk_sizes
-    monkeypatch.setattr(reader_module, "checked_chunk_sizes", lambda *a: checks.append(a[1]) or real_checked_chunk_sizes(*a))
+    real_checked_chunks = reader_module.checked_chunks
+    monkeypatch.setattr(reader_module, "checked_chunks", lambda *a: checks.append(a[1]) or real_checked_chunks(*a))
 
     def save(state: dict[str, Any]) -> None:
         writer = MemoryStorageWriter(base_dir)
@@ -694,16 +694,16 @@ def test_a_single_chunk_is_checked_as_strictly_as_several(offsets, sizes, messag
         TensorStorageMetadata,
     )
 
-    from ml_flashpoint_nemo.dcp.metadata_file import checked_chunk_sizes
+    from ml_flashpoint_nemo.dcp.metadata_file import checked_chunks
 
     stored = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([4, 3]),
                                    [ChunkStorageMetadata(offsets, sizes)])
     metadata = Metadata({"w": stored}, storage_data={})
     if message is None:
-        assert checked_chunk_sizes(metadata, 1) == {("w", (0, 0)): (4, 3)}
+        assert checked_chunks(metadata, 1) == {("w", (0, 0)): ((4, 3), "float32")}
     else:
         with pytest.raises(CorruptCheckpointError, match=re.escape(message)):
-            checked_chunk_sizes(metadata, 1)
+            checked_chunks(metadata, 1)
 
 
 def test_metadata_that_does_not_fit_fails_the_save_clearly_and_leaves_no_temporary(tmp_path):

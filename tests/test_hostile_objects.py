@@ -11,7 +11,9 @@ is written, and the older version still loads.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -135,6 +137,10 @@ INDEX_LIES = {
     "a key that is not a string": (_set("a", "key", 7), "malformed"),
     "an empty record with a data checksum": (_set_fields("a", shape=[0], nbytes=0, crc32c="00000001"),
                                              "has no bytes but data checksum 00000001"),
+    "no elements, a dimension past int64": (_set_fields("c", shape=[0, 1 << 63], nbytes=0, crc32c="00000000"),
+                                            "which no tensor of int64 can have"),
+    "no elements, an extent past int64": (_set_fields("c", shape=[1 << 40, 1 << 40, 0], nbytes=0, crc32c="00000000"),
+                                          "which no tensor of int64 can have"),
 }
 
 
@@ -152,6 +158,34 @@ def test_an_index_that_lies_is_refused_and_nothing_is_written(two_versions, lie)
     with pytest.raises(CorruptCheckpointError):
         verify_version(two_versions, 2)
     assert_state_equal(small_state(1), load_newest_valid(two_versions)[1])
+
+
+@pytest.mark.parametrize("shape", [[0, 1 << 63], [1 << 40, 1 << 40, 0], [0, 1 << 62, 2]],
+                         ids=["a dimension past int64", "dimensions whose product passes int64", "strides past int64"])
+def test_a_record_of_no_elements_and_an_absurd_shape_is_refused_and_the_older_version_loads(two_versions, shape):
+    # Zero elements times anything is zero bytes, so nbytes agrees; torch cannot make the tensor all the same.
+    path = object_path(two_versions, 2)
+    forge_object(path, index=_set_fields("c", shape=shape, nbytes=0, crc32c="00000000"))
+    with pytest.raises(CorruptCheckpointError, match=re.escape(f"record 'c' of {path} has shape {shape}, which no "
+                                                                "tensor of int64 can have")):
+        load_version(two_versions, 2)
+    step, state = load_newest_valid(two_versions)
+    assert step == 1
+    assert_state_equal(small_state(1), state)
+
+
+def test_a_version_that_fails_in_a_way_no_check_foresaw_is_skipped(two_versions, caplog):
+    # An object that is a symlink to itself: opening it raises a plain OSError (ELOOP), not one of ours.
+    path = object_path(two_versions, 2)
+    path.unlink()
+    path.symlink_to(path.name)
+    with pytest.raises(OSError):
+        load_version(two_versions, 2)
+    with caplog.at_level(logging.WARNING, logger="ml_flashpoint_nemo.core.loader"):
+        step, state = load_newest_valid(two_versions)
+    assert step == 1
+    assert_state_equal(small_state(1), state)
+    assert "Skipping RAM checkpoint step 2: version 2 in" in caplog.text and "failed to load (OSError" in caplog.text
 
 
 def _header(field: str, value: Any) -> Callable[[dict[str, Any]], None]:

@@ -33,6 +33,9 @@ FLAG_ZERO_PADDING = 2  # every byte outside the header, the records and the inde
 KNOWN_FLAGS = FLAG_NO_DATA_CRC | FLAG_ZERO_PADDING
 FILES_KEY = "files"  # commit metadata key: {version-level file name: {"nbytes": N, "crc32c": C}}
 _U32_LIMIT = 1 << 32
+# The most elements times bytes per element a tensor record may describe, its zero dimensions counted as one:
+# torch computes strides and sizes in int64, so a shape past it (even of no elements) cannot be allocated.
+MAX_TENSOR_EXTENT = 1 << 62
 _CRC_HEX = re.compile(r"^[0-9a-f]{8}$")
 _json_string = json.encoder.encode_basestring  # a str as json.dumps(..., ensure_ascii=False) writes it
 
@@ -224,6 +227,8 @@ def _record_problem(entry: IndexEntry, header: "ObjectHeader", dtype_from_name: 
             return f"has dtype {entry.dtype}, which no writer stores (its scale lives outside its bytes)"
         itemsize = dtype.itemsize
         expected = math.prod(entry.shape) * itemsize
+        if expected > MAX_TENSOR_EXTENT or (not expected and extent_of_shape(entry.shape, itemsize) > MAX_TENSOR_EXTENT):
+            return f"has shape {list(entry.shape)}, which no tensor of {entry.dtype} can have"
         if entry.nbytes != expected:
             return (f"says {entry.nbytes} bytes, but {entry.dtype}{list(entry.shape)} holds {expected}")
     if entry.offset < HEADER_NBYTES or entry.offset + entry.nbytes > header.index_offset:
@@ -235,6 +240,11 @@ def _record_problem(entry: IndexEntry, header: "ObjectHeader", dtype_from_name: 
     if entry.nbytes == 0 and entry.crc32c:
         return f"has no bytes but data checksum {entry.crc32c:08x} (the CRC32C of no bytes is 00000000)"
     return None
+
+
+def extent_of_shape(shape: Sequence[int], itemsize: int) -> int:
+    """The bytes a shape spans with its zero dimensions counted as one: what torch's int64 strides must hold."""
+    return math.prod(d or 1 for d in shape) * itemsize
 
 
 @dataclass(frozen=True)

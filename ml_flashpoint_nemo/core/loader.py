@@ -327,6 +327,8 @@ def load_newest_valid(
     """Load the newest version that reads back intact, trying older ones when a newer one fails.
 
     Each skipped version is logged with the reason. Raises VersionNotFoundError when none loads.
+    A destination that does not fit (LoadMismatchError, MissingKeyError) is the caller's to fix
+    and is raised; any other failure of a version, even one no check foresaw, skips it.
     """
     layout = CheckpointLayout(base_dir)
     failures = []
@@ -334,12 +336,27 @@ def load_newest_valid(
         try:
             return step, load_version(base_dir, step, rank=rank, into=into, threads=threads)
         except (CorruptCheckpointError, FormatVersionError, VersionNotFoundError) as exc:
-            logger.warning("Skipping RAM checkpoint step %d: %s", step, exc)
-            failures.append(f"step {step}: {exc}")
+            skipped: Exception = exc
+        except (LoadMismatchError, MissingKeyError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever the version's bytes set off, an older one may load
+            skipped = _unforeseen_failure(layout, step, exc)
+        logger.warning("Skipping RAM checkpoint step %d: %s", step, skipped)
+        failures.append(f"step {step}: {skipped}")
     raise VersionNotFoundError(
         f"no loadable version of rank {rank} in {layout.base_dir}"
         + (": " + "; ".join(failures) if failures else " (none committed)")
     )
+
+
+def _unforeseen_failure(layout: CheckpointLayout, step: int, exc: Exception) -> CorruptCheckpointError:
+    """A failure no check of the version foresaw, as the CorruptCheckpointError it stands for."""
+    logger.debug("Loading step %d of %s failed", step, layout.base_dir, exc_info=exc)
+    error = CorruptCheckpointError(
+        f"version {step} in {layout.base_dir} failed to load ({type(exc).__name__}: {exc}). {CORRUPT_ADVICE}"
+    )
+    error.__cause__ = exc
+    return error
 
 
 @dataclass(frozen=True)

@@ -54,12 +54,13 @@ def plan_dcp_version(layout: CheckpointLayout, commit: CommitRecord) -> DcpVersi
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
     from ml_flashpoint_nemo.core.version_files import read_checked_file
-    from ml_flashpoint_nemo.dcp.metadata_file import decode_metadata
+    from ml_flashpoint_nemo.dcp.metadata_file import checked_chunks, decode_metadata
     from ml_flashpoint_nemo.dcp.storage_info import DCP_METADATA_NAME, item_location
     from ml_flashpoint_nemo.errors import CorruptCheckpointError
 
     # verified against the commit record before it is unpickled (as MemoryStorageReader does)
     metadata = decode_metadata(read_checked_file(layout, commit, DCP_METADATA_NAME), commit.step)
+    checked_chunks(metadata, commit.step)  # every chunk a tensor torch can hold, the chunks tiling it: before any empty()
     storage = {(index.fqn, offset_key(index.offset)): item_location(value, index, commit.step)
                for index, value in (metadata.storage_data or {}).items()}
     per_object: dict[str, list[Read]] = {}

@@ -36,7 +36,7 @@ from ml_flashpoint_nemo.core.loader import OpenObject, open_object, read_object
 from ml_flashpoint_nemo.core.values import dtype_name
 from ml_flashpoint_nemo.core.version_files import read_checked_file
 from ml_flashpoint_nemo.core.versions import committed_steps, read_commit
-from ml_flashpoint_nemo.dcp.metadata_file import checked_chunk_sizes, decode_metadata
+from ml_flashpoint_nemo.dcp.metadata_file import checked_chunks, decode_metadata, unpickle_metadata
 from ml_flashpoint_nemo.dcp.storage_info import (
     DCP_METADATA_NAME,
     CheckpointIdCheck,
@@ -47,7 +47,8 @@ from ml_flashpoint_nemo.errors import CorruptCheckpointError, VersionNotFoundErr
 
 logger = logging.getLogger(__name__)
 
-_Location = tuple[str, str, tuple[int, ...] | None]  # object name, record key, checked chunk size (None: bytes)
+# object name, record key, and the checked chunk's size and dtype name as its record must hold them (None: bytes)
+_Location = tuple[str, str, tuple[int, ...] | None, str | None]
 _Locations = dict[tuple[str, Any], _Location]  # keyed by (fqn, offset), what DCP's MetadataIndex compares
 
 
@@ -68,7 +69,7 @@ class _Decoded:
 
     def metadata(self) -> Metadata:
         assert self.rest is not None and self.storage_data is not None
-        metadata: Metadata = pickle.loads(self.rest)
+        metadata: Metadata = unpickle_metadata(self.rest, None)
         metadata.storage_data = dict(self.storage_data)
         return metadata
 
@@ -95,7 +96,7 @@ class MemoryStorageReader(StorageReader):
         self.step: int | None = None
         self.load_id = uuid.uuid4().hex
         self._commit: CommitRecord | None = None
-        # (fqn, offset), what DCP's MetadataIndex compares -> (object name, record key, checked chunk size or None)
+        # (fqn, offset), what DCP's MetadataIndex compares -> (object name, record key, checked chunk size and dtype)
         self._locations: _Locations = {}
         self._decoded: tuple[Metadata, _Locations] | None = None  # what read_metadata returned last, and its table
 
@@ -190,12 +191,13 @@ class MemoryStorageReader(StorageReader):
         # Keyed by (fqn, offset), what MetadataIndex compares: tuple hashing and equality run in C,
         # MetadataIndex's dataclass __hash__/__eq__ in Python (two calls per item otherwise).
         step = self.step
-        chunk_sizes = checked_chunk_sizes(metadata, step)
+        chunks = checked_chunks(metadata, step)
         locations: _Locations = {}
+        no_tensor = (None, None)
         for index, value in storage_data.items():
             at = (index.fqn, index.offset)
             name, key = item_location(value, index, step)
-            locations[at] = (name, key, chunk_sizes.get(at))
+            locations[at] = (name, key, *chunks.get(at, no_tensor))
         return locations
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -226,7 +228,7 @@ class MemoryStorageReader(StorageReader):
                     raise CorruptCheckpointError(
                         f"{index.fqn} (offset {list(index.offset or [])}) has no storage data in version {self.step}"
                     )
-                name, key, chunk = location
+                name, key, chunk, dtype = location
                 reads = objects.get(name)
                 if reads is None:
                     reads = objects[name] = self._open(opened, commit, name)
@@ -240,8 +242,8 @@ class MemoryStorageReader(StorageReader):
                 whole = item.lengths == chunk and not any(item.storage_offsets)
                 if not whole:
                     self._check_request(item, chunk)
-                if chunk != entry.shape:  # the stored record has the shape the metadata gives this request's chunk
-                    self._check_record(item, entry, chunk, reads.obj.path)
+                if chunk != entry.shape or dtype != entry.dtype:  # the record holds the chunk the metadata gives
+                    self._check_record(item, entry, chunk, dtype, reads.obj.path)
                 copied = reads.copied
                 pieces = copied.get(key)
                 if pieces is not None:
@@ -316,14 +318,15 @@ class MemoryStorageReader(StorageReader):
                 "satisfied from this version"
             )
 
-    def _check_record(self, item: ReadItem, entry: IndexEntry, chunk: tuple[int, ...] | None, path: str) -> None:
-        """The stored record has the shape the metadata gives its chunk."""
-        if chunk != tuple(entry.shape):
+    def _check_record(self, item: ReadItem, entry: IndexEntry, chunk: tuple[int, ...] | None, dtype: str | None,
+                      path: str) -> None:
+        """The stored record has the shape and dtype the metadata gives its chunk (else its bytes would be converted)."""
+        if chunk != tuple(entry.shape) or dtype != entry.dtype:
             index = item.storage_index
             raise CorruptCheckpointError(
-                f"{index.fqn} (offset {list(index.offset or [])}): the record in {path} holds {list(entry.shape)} "
-                f"elements but the DCP metadata of version {self.step} says {list(chunk or [])}. Load another "
-                "version, or the durable checkpoint."
+                f"{index.fqn} (offset {list(index.offset or [])}, record {entry.key!r}): the record in {path} holds "
+                f"{entry.dtype}{list(entry.shape)} but the DCP metadata of version {self.step} says "
+                f"{dtype}{list(chunk or [])}. Load another version, or the durable checkpoint."
             )
 
 
