@@ -325,8 +325,8 @@ class MemoryStorageReader(StorageReader):
             index = item.storage_index
             raise CorruptCheckpointError(
                 f"{index.fqn} (offset {list(index.offset or [])}, record {entry.key!r}): the record in {path} holds "
-                f"{entry.dtype}{list(entry.shape)} but the DCP metadata of version {self.step} says "
-                f"{dtype}{list(chunk or [])}. Load another version, or the durable checkpoint."
+                f"{list(entry.shape)} elements but the DCP metadata of version {self.step} says {list(chunk or [])} "
+                f"({entry.dtype} stored, {dtype} in the metadata). Load another version, or the durable checkpoint."
             )
 
 
