@@ -149,6 +149,25 @@ def test_every_node_holds_the_common_state_and_commit(shm_dir, world_size, nodes
         assert committed_steps(CheckpointLayout(base)) == [1, 2]
 
 
+@pytest.mark.parametrize("damage", [None, "deleted", "flipped"])
+def test_node_leaders_receive_the_unchanged_metadata_once(shm_dir, damage):
+    """DCP's `.metadata` (every chunk of the job) repeats while the structure does: a node leader gets it with
+    the first save and copies it from its previous version afterwards. A leader whose previous copy is gone or
+    damaged gets it sent again, and its node still holds a complete, loadable version."""
+    bases = node_bases(shm_dir, 2)
+    outputs = run("version_files_sent_once", 4, bases=bases, ranks_per_node=2, damage=damage)
+    leader = [line for line in outputs[2].splitlines() if line.startswith("COPY")]
+    first = "COPY 1 SENT .metadata,COMMIT,common.pt,metadata.json REUSED "
+    reused = "SENT COMMIT,common.pt REUSED .metadata,metadata.json"
+    resent = "COPY 3 SENT .metadata,COMMIT,common.pt,metadata.json REUSED "
+    expected = [first, f"COPY 2 {reused}", f"COPY 3 {reused}"] + ([resent] if damage else [])
+    assert leader == expected, outputs[2]
+    assert not any(line.startswith("COPY") for out in outputs[:2] + outputs[3:] for line in out.splitlines())
+    for node, base in enumerate(bases):
+        report = verify_version(base, 3, ranks=range(2 * node, 2 * node + 2))
+        assert (report.objects, report.files) == (2, 3), node
+
+
 def test_node_that_cannot_take_the_version_fails_every_rank(shm_dir):
     bases = node_bases(shm_dir, 2)
     outputs = run("failed_node_copy_fails_every_rank", 2, bases=bases, ranks_per_node=1)

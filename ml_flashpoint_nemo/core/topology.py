@@ -9,8 +9,11 @@ all_gather_object, never by GPU counts or launcher guesses.
 from __future__ import annotations
 
 import os
+import pickle
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -38,25 +41,33 @@ class NodeTopology:
         node_of_rank = tuple(numbers.setdefault(tuple(identity), len(numbers)) for identity in identities)
         return cls(node_of_rank, rank)
 
+    @cached_property
+    def _ranks_by_node(self) -> tuple[tuple[int, ...], ...]:
+        """Every node's ranks, ascending, built once: O(N) here, not at each of the many look-ups."""
+        by_node: list[list[int]] = [[] for _ in range(max(self.node_of_rank) + 1)]
+        for rank, node in enumerate(self.node_of_rank):
+            by_node[node].append(rank)
+        return tuple(map(tuple, by_node))
+
     @property
     def node_count(self) -> int:
-        return max(self.node_of_rank) + 1
+        return len(self._ranks_by_node)
 
     @property
     def node(self) -> int:
         return self.node_of_rank[self.rank]
 
     def ranks_of_node(self, node: int) -> list[int]:
-        return [r for r, n in enumerate(self.node_of_rank) if n == node]
+        return list(self._ranks_by_node[node])
 
-    @property
+    @cached_property
     def leaders(self) -> list[int]:
         """The lowest rank of each node, in node order: it writes the node's version-level files."""
-        return [self.ranks_of_node(n)[0] for n in range(self.node_count)]
+        return [ranks[0] for ranks in self._ranks_by_node]
 
     @property
     def is_leader(self) -> bool:
-        return self.rank in self.leaders
+        return self._ranks_by_node[self.node][0] == self.rank
 
 
 def discover_nodes(base_dir: str | os.PathLike[str]) -> NodeTopology:
@@ -79,15 +90,28 @@ def discover_nodes(base_dir: str | os.PathLike[str]) -> NodeTopology:
     return NodeTopology.from_identities(identities, rank)
 
 
+def _collective_device() -> torch.device | None:
+    """Where a collective's tensor must live: the current CUDA device on NCCL, the CPU otherwise."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+
+
+def reduced_ints(values: Sequence[int], op: Any = None) -> list[int]:
+    """Collective: the element-wise reduction (default MAX) of every rank's equally long list of int64s.
+
+    One all-reduce of len(values) * 8 bytes whatever the number of ranks: how the ranks share
+    flags, counts and steps without gathering anything whose size grows with the job.
+    """
+    reduced = torch.tensor(list(values), dtype=torch.int64, device=_collective_device())
+    dist.all_reduce(reduced, op=dist.ReduceOp.MAX if op is None else op)
+    return [int(v) for v in reduced.tolist()]
+
+
 def highest_of_every_rank(value: int) -> int:
     """Collective: the largest of every rank's small int (one all-reduce; on NCCL a CUDA tensor).
 
     Lets a rank fold "I failed" into a flag the ranks exchange anyway, at no extra collective.
     """
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-    reduced = torch.tensor([value], dtype=torch.int32, device=device)
-    dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
-    return int(reduced.item())
+    return reduced_ints([value])[0]
 
 
 def any_rank(flag: bool) -> bool:
@@ -103,9 +127,55 @@ def problems_of_every_rank(problem: str | None) -> list[str]:
     """
     if not any_rank(bool(problem)):
         return []
+    return _every_problem(problem)
+
+
+def _every_problem(problem: str | None) -> list[str]:
+    """Collective, only once some rank has a problem: every rank's message, on every rank."""
     problems: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(problems, problem)
     return [p for p in problems if p]
+
+
+_LENGTH_BYTES = 8  # each gathered buffer starts with its payload's length
+
+
+def gathered_on_coordinator(payload: Any, problem: str | None) -> tuple[list[str], list[Any] | None]:
+    """Collective: (every rank's problem, every rank's payload on rank 0 and None elsewhere).
+
+    What a save's finalize needs at any job size: only the coordinator receives O(N) payloads;
+    every other rank receives one 16-byte all-reduce (any problem? the longest pickle) and
+    nothing more, unlike all_gather_object, which hands every rank all N payloads. When some
+    rank has a problem (or cannot pickle its payload) nothing is gathered and every rank gets
+    every problem instead, so that all of them raise alike.
+    """
+    data = b""
+    if problem is None:
+        try:
+            data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # noqa: BLE001 - shared with every rank below
+            problem = f"rank {dist.get_rank()}: cannot pickle its report: {type(exc).__name__}: {exc}"
+    any_problem, longest = reduced_ints([int(problem is not None), len(data)])
+    if any_problem:
+        return _every_problem(problem), None
+    framed = bytearray(_LENGTH_BYTES + longest)  # equal sizes on every rank, as gather requires
+    framed[:_LENGTH_BYTES] = len(data).to_bytes(_LENGTH_BYTES, "little")
+    framed[_LENGTH_BYTES:_LENGTH_BYTES + len(data)] = data
+    mine = torch.frombuffer(framed, dtype=torch.uint8)
+    device = _collective_device()
+    if device is not None:
+        mine = mine.to(device)
+    coordinator = dist.get_rank() == 0
+    buffers = [torch.empty_like(mine) for _ in range(dist.get_world_size())] if coordinator else None
+    dist.gather(mine, buffers, dst=0)
+    if buffers is None:
+        return [], None
+    payloads = []
+    for buffer in buffers:
+        raw = buffer.cpu().numpy().tobytes()
+        length = int.from_bytes(raw[:_LENGTH_BYTES], "little")
+        payloads.append(pickle.loads(raw[_LENGTH_BYTES:_LENGTH_BYTES + length]))
+    return [], payloads
 
 
 def raise_if_any_rank_failed(error: BaseException | None, what: str) -> None:
@@ -115,13 +185,14 @@ def raise_if_any_rank_failed(error: BaseException | None, what: str) -> None:
     ml_flashpoint_nemo.errors' types (a ChecksumError as CorruptCheckpointError), else
     FlashpointError; the message is `what` and every failing rank's error.
     """
+    if not any_rank(error is not None):  # the usual case: one small all-reduce, nothing gathered
+        return
     mine = None if error is None else (type(error).__name__,
                                        f"rank {dist.get_rank()}: {type(error).__name__}: {error}")
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     failed = [g for g in gathered if g]
-    if failed:
-        raise _agreed_type(failed[0][0])(f"{what}: " + "; ".join(text for _, text in failed)) from error
+    raise _agreed_type(failed[0][0])(f"{what}: " + "; ".join(text for _, text in failed)) from error
 
 
 def _agreed_type(name: Any) -> type[FlashpointError]:

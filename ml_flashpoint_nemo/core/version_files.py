@@ -100,6 +100,21 @@ def version_copy(layout: CheckpointLayout, commit: CommitRecord) -> dict[str, by
     return files
 
 
+def reusable_version_file(layout: CheckpointLayout, from_step: int, name: str, commit: CommitRecord) -> bytes | None:
+    """The bytes of file `name` of version from_step on this node, if they are what `commit` lists; else None.
+
+    A node leader receives a file that repeats from save to save (DCP's `.metadata`) once, and
+    takes it from its previous version afterwards (megatron.strategies._NodeCopies).
+    """
+    if os.sep in name or name in ("", ".", ".."):
+        return None
+    try:
+        data = (layout.version_dir(from_step) / name).read_bytes()
+    except (OSError, ValueError):
+        return None
+    return data if _matches_record(commit, name, data) else None
+
+
 def write_version_copy(layout: CheckpointLayout, step: int, files: Mapping[str, bytes]) -> None:
     """Write a version's files received from its coordinator, the commit record last and atomically."""
     if COMMIT_NAME not in files:

@@ -58,8 +58,9 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ml_flashpoint_nemo.core import lifecycle
+from ml_flashpoint_nemo.core.format import FILES_KEY, CommitRecord
 from ml_flashpoint_nemo.core.gc_pause import without_gc
-from ml_flashpoint_nemo.core.layout import CheckpointLayout
+from ml_flashpoint_nemo.core.layout import COMMIT_NAME, CheckpointLayout
 from ml_flashpoint_nemo.core.save_worker import seal_and_report
 from ml_flashpoint_nemo.core.saver import CheckpointSaver, StagedObject
 from ml_flashpoint_nemo.core.sync_manager import (
@@ -72,14 +73,17 @@ from ml_flashpoint_nemo.core.sync_manager import (
 from ml_flashpoint_nemo.core.topology import (
     NodeTopology,
     discover_nodes,
+    gathered_on_coordinator,
     highest_of_every_rank,
     node_identity,
     problems_of_every_rank,
     raise_if_any_rank_failed,
+    reduced_ints,
 )
 from ml_flashpoint_nemo.core.tuning import default_copy_threads
 from ml_flashpoint_nemo.core.version_files import (
     check_version_files,
+    reusable_version_file,
     version_copy,
     write_version_copy,
 )
@@ -376,11 +380,18 @@ class _NodeCopies:
     Megatron writes the common state on global rank 0 only and the coordinator commits on
     its own node; with a base directory per node, each other node's leader writes the same
     checked files, so any node can load its ranks' data and the common state by itself.
+
+    DCP's `.metadata` lists every chunk of the job (O(N*T) bytes) but repeats from save to save
+    while the structure does; a file whose size and CRC32C equal the last one sent is not sent
+    again: each leader copies it from its copy of the previous version, checked against the new
+    commit record. Only a leader that no longer has it (a retired or damaged copy) gets it again,
+    in a second broadcast that every leader joins.
     """
 
     def __init__(self, topology: NodeTopology, group: dist.ProcessGroup | None) -> None:
         self.topology = topology
         self.group = group  # gloo group of the node leaders; None on a single node
+        self._sent: dict[str, tuple[int, Any]] = {}  # rank 0: file name -> (newest step copied with, size and CRC)
 
     @classmethod
     def discover(cls, base_dir: Path, previous: "_NodeCopies | None") -> "_NodeCopies":
@@ -398,29 +409,77 @@ class _NodeCopies:
             return
         rank = dist.get_rank()
         is_copier = self.topology.is_leader and self.topology.node != self.topology.node_of_rank[0]
-        error = None
+        error: str | None = None
+        missed = False
         if rank == 0 or is_copier:
             box: list[Any] = [None]
             if rank == 0:
                 try:
-                    box[0] = version_copy(layout, read_commit(layout, step))
+                    box[0] = self._files_to_send(layout, step, resend=False)
                 except Exception as exc:  # noqa: BLE001 - the leaders still need the broadcast to end
                     box[0] = error = f"rank 0 reading step {step}: {type(exc).__name__}: {exc}"
             dist.broadcast_object_list(box, src=0, group=self.group)
             if is_copier and isinstance(box[0], dict):
-                try:
-                    write_version_copy(layout, step, box[0])
-                except Exception as exc:  # noqa: BLE001 - reported to every rank below
-                    error = f"rank {rank} (node {self.topology.node}): {type(exc).__name__}: {exc}"
+                missed, error = self._write_copy(layout, step, box[0])
+        (any_missed,) = reduced_ints([int(missed)])
+        if any_missed:  # some leader lacks a file it was told to reuse: every leader joins one more broadcast
+            if rank == 0 or is_copier:
+                box = [None]
+                if rank == 0:
+                    try:
+                        box[0] = self._files_to_send(layout, step, resend=True)
+                    except Exception as exc:  # noqa: BLE001 - the leaders still need the broadcast to end
+                        box[0] = error = f"rank 0 reading step {step}: {type(exc).__name__}: {exc}"
+                dist.broadcast_object_list(box, src=0, group=self.group)
+                if missed and isinstance(box[0], dict):
+                    _, error = self._write_copy(layout, step, box[0])
         failed = problems_of_every_rank(error)
         if failed:
+            self._sent.clear()  # the next save sends every file again
             raise FlashpointError(
                 f"step {step} is committed on the coordinator's node but not on every node: " + "; ".join(failed)
             )
 
+    def _files_to_send(self, layout: CheckpointLayout, step: int, *, resend: bool) -> dict[str, Any]:
+        """Rank 0: each file's bytes, or (step, None) for a file the leaders hold unchanged in that step's copy."""
+        commit = read_commit(layout, step)
+        files: dict[str, Any] = version_copy(layout, commit)
+        described = commit.metadata.get(FILES_KEY) or {}
+        for name, description in described.items():
+            sent = self._sent.get(name)
+            if not resend and sent is not None and sent[1] == description and sent[0] != step:
+                files[name] = (sent[0], None)
+            self._sent[name] = (step, description)  # the leaders hold it with this step next (else it is cleared)
+        return files
+
+    def _write_copy(self, layout: CheckpointLayout, step: int, files: dict[str, Any]) -> tuple[bool, str | None]:
+        """A leader: write the version's files, reusing those it already holds; (missed one, error).
+
+        A file to reuse that this node no longer holds as the commit record describes it is a miss,
+        not an error: the second broadcast brings it.
+        """
+        try:
+            commit = CommitRecord.decode(files[COMMIT_NAME], f"the commit record of step {step} received")
+            resolved: dict[str, bytes] = {}
+            for name, content in files.items():
+                if isinstance(content, tuple):  # (step it came with, None): this node holds it already
+                    reused = reusable_version_file(layout, content[0], name, commit)
+                    if reused is None:
+                        return True, None
+                    content = reused
+                resolved[name] = content
+            write_version_copy(layout, step, resolved)  # checks every file against the new commit record
+            return False, None
+        except Exception as exc:  # noqa: BLE001 - reported to every rank
+            return False, f"rank {dist.get_rank()} (node {self.topology.node}): {type(exc).__name__}: {exc}"
+
 
 def _finalize_save(writer: _StagingWriter, global_metadata: Metadata | None, reports: WorkerReports) -> None:
-    """Every rank: place its object; coordinator: commit. Any rank's failure is raised on every rank."""
+    """Every rank: place its object; coordinator: commit. Any rank's failure is raised on every rank.
+
+    The write records go to the coordinator alone (gathered_on_coordinator): every other rank
+    receives two small all-reduces, whatever the number of ranks and tensors.
+    """
     error: str | None = None
     results: list[WriteResult] = []
     try:
@@ -431,20 +490,19 @@ def _finalize_save(writer: _StagingWriter, global_metadata: Metadata | None, rep
     except Exception as exc:  # noqa: BLE001 - reported to every rank below
         writer.abandon()
         error = f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (error, results))
-    errors = [e for e, _ in gathered if e]
-    if not errors and dist.get_rank() == 0:
+    errors, gathered = gathered_on_coordinator(results, error)
+    commit_error: str | None = None
+    if not errors and gathered is not None:  # the coordinator, with every rank's records
         try:
             assert global_metadata is not None
-            writer.finish(global_metadata, [r for _, r in gathered])
+            writer.finish(global_metadata, gathered)
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
-            errors.append(f"rank 0 commit: {type(exc).__name__}: {exc}")
-    status: list[Any] = [errors]
-    dist.broadcast_object_list(status, src=0)
-    if status[0]:
+            commit_error = f"rank 0 commit: {type(exc).__name__}: {exc}"
+    if not errors:
+        errors = problems_of_every_rank(commit_error)
+    if errors:
         raise FlashpointError(
-            f"flashpoint save of step {writer.step} failed; the previous version is intact: " + "; ".join(status[0])
+            f"flashpoint save of step {writer.step} failed; the previous version is intact: " + "; ".join(errors)
         )
 
 

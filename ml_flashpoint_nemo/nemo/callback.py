@@ -244,28 +244,29 @@ class FlashpointCallback(Callback):
         Each rank stops its transfer server when it tears down; a rank that got there first would refuse a
         slower peer's push of the job's last RAM version, which would then not be on the node that has to
         resume from it after a restart on fewer nodes. Each round waits at most LAST_PUSHES_ROUND_S for this
-        rank's own pushes and then gathers every rank's state, so no collective of this wait outlasts a short
-        process-group timeout, and every rank leaves in the same round.
+        rank's own pushes and then reduces every rank's state (one fixed-size all-reduce), so no collective of
+        this wait outlasts a short process-group timeout, and every rank leaves in the same round.
         """
         import torch.distributed as dist
+
+        from ml_flashpoint_nemo.core.topology import reduced_ints
 
         assert self.io is not None, "called once wired"
         service = self.io.flashpoint_strategy.replication
         deadline = time.monotonic() + LAST_PUSHES_WAIT_S
         while True:
             done = service is None or service.wait_for_pushes(LAST_PUSHES_ROUND_S)
-            mine = (done, time.monotonic() >= deadline)
-            everyone: list[Any] = [mine]
-            if dist.is_initialized():
-                everyone = [None] * dist.get_world_size()
-                dist.all_gather_object(everyone, mine)
-            if all(done for done, _ in everyone):
+            late = time.monotonic() >= deadline
+            waiting, any_late = int(not done), int(late)
+            if dist.is_initialized():  # one fixed-size all-reduce (MAX) per round: anyone still pushing? late?
+                waiting, any_late = reduced_ints([waiting, any_late])
+            if not waiting:
                 return
-            if any(late for _, late in everyone):
-                if not dist.is_initialized() or dist.get_rank() == 0:
-                    logger.warning("Replication of the last RAM checkpoint still runs after %.1f s on ranks %s; "
-                                   "training ends anyway, and what they still push is refused by the ranks that "
-                                   "exit", LAST_PUSHES_WAIT_S, [r for r, (done, _) in enumerate(everyone) if not done])
+            if any_late:
+                if not done or not dist.is_initialized() or dist.get_rank() == 0:
+                    logger.warning("Replication of the last RAM checkpoint still runs after %.1f s%s; training ends "
+                                   "anyway, and what is still pushed is refused by the ranks that exit",
+                                   LAST_PUSHES_WAIT_S, " on this rank" if not done else " on some ranks")
                 return
 
     def _replication_numbers(self) -> dict[str, float]:
@@ -277,20 +278,21 @@ class FlashpointCallback(Callback):
         """
         import torch.distributed as dist
 
+        from ml_flashpoint_nemo.core.topology import reduced_ints
+
         assert self.io is not None, "called once wired"
         service = self.io.flashpoint_strategy.replication
         if service is None or not service.enabled or not dist.is_initialized():
             return {}
         try:
-            mine = service.progress()
-        except Exception as exc:  # noqa: BLE001 - counted as under-replicated; every rank must reach the gather
+            newest, failed = service.progress()
+        except Exception as exc:  # noqa: BLE001 - counted as under-replicated; every rank must reach the all-reduce
             logger.warning("Cannot tell the replication progress of this rank (%s: %s)", type(exc).__name__, exc)
-            mine = (None, True)
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        replicated = [-1 if newest is None else newest for newest, _ in everyone]
-        return {"flashpoint/replicated_step": float(min(replicated)),
-                "flashpoint/under_replicated_ranks": float(sum(1 for _, failed in everyone if failed))}
+            newest, failed = None, True
+        # Fixed-size all-reduces whatever the job's size: the lowest newest replicated step, the failing ranks.
+        (lowest,) = reduced_ints([-1 if newest is None else newest], dist.ReduceOp.MIN)
+        (failing,) = reduced_ints([int(failed)], dist.ReduceOp.SUM)
+        return {"flashpoint/replicated_step": float(lowest), "flashpoint/under_replicated_ranks": float(failing)}
 
     def _report(self, trainer: Any, outcome: SaveOutcome) -> None:
         blocking = self._blocking.pop(outcome.step, outcome.staging_s)

@@ -18,7 +18,7 @@ Peers authenticate as ranks, and each server admits only what the placement send
 (transfer_policy): a rank may push its own objects to the servers it replicates to, nothing
 else; any rank may fetch objects and version files. A version is "replicated" on a rank once
 every target acknowledged every object; it is replicated for the job once that holds on every
-rank, which `keep_for_next_save` learns with one all_gather_object per save.
+rank, which `keep_for_next_save` learns with one fixed-size all-reduce per save.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from ml_flashpoint_nemo.core.layout import (
     spare_name,
     version_relpath,
 )
-from ml_flashpoint_nemo.core.topology import NodeTopology
+from ml_flashpoint_nemo.core.topology import NodeTopology, reduced_ints
 from ml_flashpoint_nemo.core.versions import committed_steps, read_commit
 from ml_flashpoint_nemo.errors import CorruptCheckpointError, FormatVersionError
 from ml_flashpoint_nemo.replication.placement import DEFAULT_FACTOR, effective_factor, push_sources, push_targets
@@ -442,13 +442,13 @@ class ReplicationService:
                 self._prune_replicas()  # objects fetched from peers during a recovery still get removed
             return keep
         newest: int | None = None
-        mine: tuple[int | None, dict[int, dict[int, str]]] = (None, {})
-        try:  # nothing here may raise on this rank alone: the others wait in the gather below
+        replicated, failed = -1, 0  # -1: nothing replicated yet (or unknown)
+        try:  # nothing here may raise on this rank alone: the others wait in the all-reduce below
             committed = committed_steps(self.layout)
             newest = committed[-1] if committed else None
             with self._cv:
-                mine = (self._newest_replicated,
-                        {s: dict(st.failed_peers) for s, st in self._status.items() if st.state == UNDER_REPLICATED})
+                replicated = -1 if self._newest_replicated is None else self._newest_replicated
+                failed = int(any(st.state == UNDER_REPLICATED and st.step == newest for st in self._status.values()))
                 server_errors = self.server.errors() if self.server is not None else []
             for message in server_errors:
                 logger.warning("Rank %d replication server: %s", self.rank, message)
@@ -456,17 +456,13 @@ class ReplicationService:
             logger.warning("Rank %d: cannot tell whether the newest RAM checkpoint is replicated (%s: %s); the "
                            "previous version is kept", self.rank, type(exc).__name__, exc)
             newest = -1 if newest is None else newest
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
-        replicated = [g[0] for g in gathered]
-        everywhere = None if any(r is None for r in replicated) else min(replicated)
-        if self.rank == 0:
-            for rank, (_, failures) in enumerate(gathered):
-                for step, peers in sorted(failures.items()):
-                    if step == newest:
-                        logger.warning("RAM checkpoint step %d is under-replicated: rank %d could not copy its "
-                                       "objects to ranks %s (%s)", step, rank, sorted(peers),
-                                       "; ".join(peers.values()))
+            replicated = -1
+        # One fixed-size all-reduce (MAX): the lowest rank's newest replicated step (negated) and any failure.
+        negated_lowest, any_failed = reduced_ints([-replicated, failed])
+        everywhere = None if negated_lowest == 1 else -negated_lowest
+        if self.rank == 0 and any_failed and newest is not None:
+            logger.warning("RAM checkpoint step %d is under-replicated: some ranks could not copy their objects to "
+                           "every peer (each logged which peers and why)", newest)
         if newest is None or (everywhere is not None and everywhere >= newest):
             return keep
         return keep + 1

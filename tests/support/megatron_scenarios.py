@@ -487,6 +487,42 @@ def failed_node_copy_fails_every_rank(p: dict[str, Any]) -> None:
     strategy.close()
 
 
+def version_files_sent_once(p: dict[str, Any]) -> None:
+    """Three saves on 2+ nodes: what each node leader received as bytes and what it reused from its last copy.
+
+    damage: before the third save, node 1's copy of step 2's `.metadata` is "deleted" or "flipped",
+    so that node 1 must get it sent again in the second broadcast.
+    """
+    from ml_flashpoint_nemo.megatron import strategies
+
+    received: list[tuple[int, list[str], list[str]]] = []
+    write_copy = strategies._NodeCopies._write_copy
+
+    def recording(self: Any, layout: Any, step: int, files: dict[str, Any]) -> Any:
+        received.append((step, sorted(n for n, c in files.items() if isinstance(c, bytes)),
+                         sorted(n for n, c in files.items() if isinstance(c, tuple))))
+        return write_copy(self, layout, step, files)
+
+    strategies._NodeCopies._write_copy = recording
+    strategy = save_strategy(p)
+    base = node_base(p)
+    for step in (1, 2, 3):
+        if step == 3 and p.get("damage") and dist.get_rank() == p["ranks_per_node"]:
+            metadata = Path(base) / "step-2" / ".metadata"
+            if p["damage"] == "deleted":
+                metadata.unlink()
+            else:
+                data = bytearray(metadata.read_bytes())
+                data[len(data) // 2] ^= 0x01
+                metadata.write_bytes(bytes(data))
+        dist.barrier()
+        save(dict(p, base=base), step, None, strategy)
+    check_loaded(load(dict(p, base=base), 3), 3)
+    for step, sent, reused in received:
+        print(f"COPY {step} SENT {','.join(sent)} REUSED {','.join(reused)}", flush=True)
+    strategy.close()
+
+
 def choose(p: dict[str, Any]) -> None:
     """Print the version every rank agreed to resume from."""
     print("CHOSEN", choose_version(node_base(p)).step, flush=True)
@@ -576,6 +612,7 @@ if __name__ == "__main__":
                                            plan_reused_only_while_structure_is_unchanged,
                                            overlapping_saves_each_get_their_report,
                                            common_state_on_every_node, failed_node_copy_fails_every_rank, choose,
+                                           version_files_sent_once,
                                            choose_after_verifying_ahead,
                                            close_commits_the_saves_after_a_failed_one,
                                            staging_fails_on_one_rank_before_its_persistent_worker,
