@@ -34,7 +34,7 @@ def one_node(shm_dir) -> list[str]:
 
 @pytest.fixture
 def two_nodes(shm_dir) -> list[str]:
-    """Two nodes of one rank each, saved steps 1 and 2; objects not exchanged (no replication)."""
+    """Two nodes of one rank each, saved steps 1 and 2 (replicated to each other in the background)."""
     bases = [str(shm_dir / "node-0"), str(shm_dir / "node-1")]
     run_world("megatron_scenarios", "common_state_on_every_node", 2, params(bases, 2))
     return bases
@@ -89,10 +89,12 @@ def test_commit_record_missing_on_one_node_is_fetched_from_its_peer(two_nodes):
     assert (Path(two_nodes[1]) / "step-2" / "COMMIT").is_file()
 
 
-def test_objects_only_on_another_node_are_fetched_before_resuming(two_nodes):
-    # rank 0's object (with the replicated tensors) was never on node 1: recovery fetches it, verified
+def test_the_choice_copies_no_other_ranks_object(two_nodes):
+    # node 1 lacks rank 0's object (which holds the replicated tensors): at the saved layout the choice checks
+    # each rank's own objects and moves nothing else; a load that reads it fetches it (tests/test_replication.py)
+    (Path(two_nodes[1]) / "step-2" / "rank-00000-0.fpo").unlink(missing_ok=True)
     assert chosen(two_nodes, 2) == {"CHOSEN 2"}
-    assert (Path(two_nodes[1]) / "step-2" / "rank-00000-0.fpo").is_file()
+    assert not (Path(two_nodes[1]) / "step-2" / "rank-00000-0.fpo").exists()
 
 
 def test_version_whose_only_copy_is_corrupt_is_skipped_everywhere(two_nodes):

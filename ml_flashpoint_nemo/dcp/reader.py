@@ -33,6 +33,7 @@ from ml_flashpoint_nemo.core.format import FILES_KEY, CommitRecord, IndexEntry
 from ml_flashpoint_nemo.core.gc_pause import without_gc
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.loader import OpenObject, open_object, read_object
+from ml_flashpoint_nemo.core.remote_objects import ensure_local
 from ml_flashpoint_nemo.core.values import dtype_name
 from ml_flashpoint_nemo.core.version_files import read_checked_file
 from ml_flashpoint_nemo.core.versions import committed_steps, read_commit
@@ -273,7 +274,9 @@ class MemoryStorageReader(StorageReader):
         record = next((o for o in commit.objects if o.name == name), None)
         if record is None:
             raise CorruptCheckpointError(f"object {name} is not listed in the commit record of step {self.step}")
-        return _ObjectReads(opened.enter_context(open_object(str(self.layout.object_path(commit.step, name)), record)))
+        path = self.layout.object_path(commit.step, name)
+        ensure_local(self.layout.base_dir, commit.step, record, path)  # another node's object this load reads
+        return _ObjectReads(opened.enter_context(open_object(str(path), record)))
 
     def _read_items(self, reads: "_ObjectReads", planner: LoadPlanner) -> None:
         """Read one object's items, sorted by read_data: whole chunks in place, parts through a copy."""

@@ -2,17 +2,17 @@
 
 It sits above core because completing a version may take a peer's replica (replication.recovery).
 
-Ranks must never resume from different versions, and never from a version with a
-missing or flipped byte. Each rank lists the versions committed on its node; the
-candidates are the steps committed on every node, newest first; for each candidate
-every rank checks that every object is on its node, its own objects (at another world
-size: its share of the node's objects; objects preverify.verify_ahead already checked in the
-background are not read again) and the version's files, and the first candidate
-that checks out on every rank wins. A version saved by another world size or layout is a
-candidate like any other: the load strategies reshard. Skipped candidates are logged with the reason on
-every rank. Two small all-gathers per candidate, no data moved. When a candidate fails
-because a rank's own object is corrupt, that object is dropped and fetched again from a
-peer's replica (when one exists) before the candidate is checked once more.
+Ranks must never resume from different versions, and never from a version with a missing or
+flipped byte. The candidates are the steps committed on some node, newest first, found by
+fixed-size all-reduces. A candidate saved by as many ranks as the job has is settled by
+replication.own_objects: a node lacking the version files takes them from a peer, each rank
+checks its own objects (objects preverify.verify_ahead already checked in the background are
+not read again) and fetches those its node lacks or holds corrupt from their replicas, and the
+first candidate that checks out on every rank wins. Nothing is gathered whose size grows with
+the job, and no node copies objects it does not need: the objects of other ranks that a load
+reads are fetched by that load. A candidate saved by another world size (an elastic restart;
+the load strategies reshard) is checked as before: every object on every node, each node's
+share checked there. Skipped candidates are logged with the reason on every rank.
 """
 
 from __future__ import annotations
@@ -24,15 +24,18 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ml_flashpoint_nemo.core import remote_objects
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.loader import verify_object_file
-from ml_flashpoint_nemo.core.topology import NodeTopology, discover_nodes, problems_of_every_rank
+from ml_flashpoint_nemo.core.topology import NodeTopology, discover_nodes, problems_of_every_rank, reduced_ints
 from ml_flashpoint_nemo.core.tuning import default_copy_threads
 from ml_flashpoint_nemo.core.version_files import check_version_files
 from ml_flashpoint_nemo.core.versions import committed_steps, read_commit
 from ml_flashpoint_nemo.errors import CorruptCheckpointError
+from ml_flashpoint_nemo.replication.own_objects import CHOSEN, ELASTIC, RecoverySession, settle
 from ml_flashpoint_nemo.replication.preverify import verified_ahead
 from ml_flashpoint_nemo.replication.recovery import fetch_missing_from_peers
+from ml_flashpoint_nemo.replication.service import ReplicationConfig
 
 logger = logging.getLogger(__name__)
 
@@ -115,14 +118,68 @@ def _drop_corrupt_objects_on_every_rank(layout: CheckpointLayout, step: int, top
     return bool(problems_of_every_rank(", ".join(dropped) or None))
 
 
-def choose_version(base_dir: str | os.PathLike[str]) -> RecoveryChoice:
-    """Collective: the newest step every rank can resume from, checked on every rank."""
-    if dist.get_world_size() > 1:  # first fetch what this node lacks (objects, version files) from peers
-        fetch_missing_from_peers(base_dir)
+def choose_version(base_dir: str | os.PathLike[str], config: ReplicationConfig | None = None) -> RecoveryChoice:
+    """Collective: the newest step every rank can resume from, checked on every rank.
+
+    Candidates saved by as many ranks as the job has are settled by replication.own_objects
+    (each rank restores its own objects; fixed-size collectives). Once the newest candidate
+    left was saved by another world size, the choice goes on as an elastic restart needs it:
+    every object on every node (_choose_with_every_object_on_every_node).
+    """
+    layout = CheckpointLayout(base_dir)
+    remote_objects.stop_fetching(base_dir)  # a choice before this one served its loads, which every rank has done
+    if dist.get_world_size() == 1:
+        return _choose_with_every_object_on_every_node(base_dir, fetch=False)
+    rank = dist.get_rank()
+    try:  # a rank that cannot list its versions offers none; it must still reach the all-reduces
+        local = set(committed_steps(layout))
+    except Exception as exc:  # noqa: BLE001 - logged; this rank offers no version
+        logger.warning("Rank %d cannot list its RAM checkpoint versions in %s: %s", rank, layout.base_dir, exc)
+        local = set()
+    topology = discover_nodes(base_dir)
+    session = RecoverySession(base_dir, topology, config or ReplicationConfig())
+    skipped: dict[int, list[str]] = {}
+    below: int | None = None
+    serving = False
+    try:
+        while True:
+            (step,) = reduced_ints([max((s for s in local if below is None or s < below), default=-1)])
+            if step < 0:
+                _log_skipped(skipped, None)
+                return RecoveryChoice(None, skipped)
+            verdict = settle(layout, step, topology, session)
+            if verdict.outcome == ELASTIC:
+                session.close()
+                return _choose_with_every_object_on_every_node(base_dir, fetch=True, skipped=skipped, below=below)
+            if verdict.outcome == CHOSEN:
+                if topology.node_count > 1:  # a load may read another rank's object: its node serves it
+                    session.start()
+                    session.keep_for_loads()
+                    serving = True
+                _log_skipped(skipped, step)
+                return RecoveryChoice(step, skipped)
+            skipped[step] = list(verdict.reasons)
+            below = step
+    finally:
+        if not serving:
+            session.close()
+
+
+def _choose_with_every_object_on_every_node(base_dir: str | os.PathLike[str], *, fetch: bool,
+                                            skipped: dict[int, list[str]] | None = None,
+                                            below: int | None = None) -> RecoveryChoice:
+    """Collective: the choice for an elastic restart (or a single rank), which may read any saved rank's object.
+
+    Each node first fetches every object it lacks of the newest version that can be completed
+    (replication.recovery); the candidates are then the steps committed on every node, below
+    `below` (the newer ones were settled at the saved layout and skipped, for `skipped`' reasons).
+    """
+    if fetch:
+        fetch_missing_from_peers(base_dir, below=below)
     layout = CheckpointLayout(base_dir)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     try:  # a rank that cannot list its versions offers none; it must still reach the gather
-        local = set(committed_steps(layout))
+        local = {s for s in committed_steps(layout) if below is None or s < below}
     except Exception as exc:  # noqa: BLE001 - logged; this rank offers no version
         logger.warning("Rank %d cannot list its RAM checkpoint versions in %s: %s", rank, layout.base_dir, exc)
         local = set()
@@ -130,7 +187,7 @@ def choose_version(base_dir: str | os.PathLike[str]) -> RecoveryChoice:
     dist.all_gather_object(everyone, sorted(local))
     candidates = sorted(set.intersection(*(set(s) for s in everyone)), reverse=True)
     newest_anywhere = max((s for steps in everyone for s in steps), default=None)
-    skipped: dict[int, list[str]] = {}
+    skipped = dict(skipped or {})
     if newest_anywhere is not None and (not candidates or candidates[0] != newest_anywhere):
         missing_on = [r for r, steps in enumerate(everyone) if newest_anywhere not in steps]
         skipped[newest_anywhere] = [f"not committed on the node of ranks {missing_on}"]
@@ -153,5 +210,7 @@ def choose_version(base_dir: str | os.PathLike[str]) -> RecoveryChoice:
 def _log_skipped(skipped: dict[int, list[str]], chosen: int | None) -> None:
     for step, reasons in sorted(skipped.items(), reverse=True):
         logger.warning("RAM checkpoint step %d is not used: %s", step, "; ".join(reasons))
+    if chosen is None and skipped:
+        logger.warning("No RAM checkpoint version is usable on every rank; fall back to the durable checkpoint")
     if chosen is not None:
         logger.info("Resuming from RAM checkpoint step %d", chosen)

@@ -82,12 +82,13 @@ def _inventory_or_nothing(layout: CheckpointLayout) -> dict[int, tuple[bool, lis
 
 
 def fetch_missing_from_peers(
-    base_dir: str | os.PathLike[str], config: ReplicationConfig | None = None, *, only_step: int | None = None
+    base_dir: str | os.PathLike[str], config: ReplicationConfig | None = None, *, only_step: int | None = None,
+    below: int | None = None,
 ) -> int | None:
     """Collective: make the newest step possible complete on every node; returns it (None: none can be).
 
     only_step: consider that step alone (recovery refetching the objects it dropped from a version
-    that is not the newest).
+    that is not the newest). below: consider only older steps (the newer ones were settled otherwise).
     """
     config = config or ReplicationConfig()
     layout = CheckpointLayout(base_dir)
@@ -101,7 +102,8 @@ def fetch_missing_from_peers(
     if topology.node_count < 2:
         return None
     nodes = [everyone[leader] for leader in topology.leaders]
-    steps = sorted({s for inv in nodes for s, (ok, _) in inv.items() if ok and only_step in (None, s)}, reverse=True)
+    steps = sorted({s for inv in nodes for s, (ok, _) in inv.items()
+                    if ok and only_step in (None, s) and (below is None or s < below)}, reverse=True)
     endpoints: PeerEndpoints | None = None
     try:
         for step in steps:
@@ -147,15 +149,16 @@ def _phase_a(layout: CheckpointLayout, topology: NodeTopology, step: int, has_co
         source_node = sources[(node + offset) % len(sources)]
         source = topology.ranks_of_node(source_node)[0]
         try:
-            _fetch_version_files(layout, step, endpoints, source, config)
+            fetch_version_files(layout, step, endpoints, source, config)
             return None
         except Exception as exc:  # noqa: BLE001 - try the next node, then report
             failures.append(f"from rank {source}: {type(exc).__name__}: {exc}")
     return f"rank {topology.rank} (node {node}) could not fetch the files of step {step}: " + "; ".join(failures)
 
 
-def _fetch_version_files(layout: CheckpointLayout, step: int, endpoints: PeerEndpoints, source: int,
-                         config: ReplicationConfig) -> None:
+def fetch_version_files(layout: CheckpointLayout, step: int, endpoints: PeerEndpoints, source: int,
+                        config: ReplicationConfig) -> None:
+    """The commit record of step and every file it lists, from rank source's node; the record last, after checks."""
     address = endpoints.addresses[source]
     if address is None:
         raise ConnectionError(f"rank {source} has no transfer server")
@@ -202,7 +205,7 @@ def _phase_b(layout: CheckpointLayout, topology: NodeTopology, step: int, presen
         if not jobs:
             return None
         with concurrent.futures.ThreadPoolExecutor(min(FETCH_THREADS, len(jobs))) as pool:
-            outcomes = list(pool.map(lambda job: _fetch_object(layout, step, job[0], job[1], endpoints, config),
+            outcomes = list(pool.map(lambda job: fetch_object_from(layout, step, job[0], job[1], endpoints, config),
                                      jobs))
         failed = [o for o in outcomes if o]
         if failed:
@@ -213,8 +216,9 @@ def _phase_b(layout: CheckpointLayout, topology: NodeTopology, step: int, presen
         return f"rank {topology.rank}: {type(exc).__name__}: {exc}"
 
 
-def _fetch_object(layout: CheckpointLayout, step: int, record: ObjectRecord, sources: list[int],
-                  endpoints: PeerEndpoints, config: ReplicationConfig) -> str | None:
+def fetch_object_from(layout: CheckpointLayout, step: int, record: ObjectRecord, sources: list[int],
+                      endpoints: PeerEndpoints, config: ReplicationConfig) -> str | None:
+    """Fetch one object from the first of sources' nodes that has it intact; None, or why every source failed."""
     relative = version_relpath(step, record.name)
     path = layout.object_path(step, record.name)
     failures = []

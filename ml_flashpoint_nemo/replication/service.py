@@ -40,6 +40,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ml_flashpoint_nemo import _core
+from ml_flashpoint_nemo.core import remote_objects
 from ml_flashpoint_nemo.core.format import ObjectRecord, whole_object_crc32c
 from ml_flashpoint_nemo.core.layout import (
     OBJECT_NAME_PATTERN,
@@ -319,6 +320,8 @@ class ReplicationService:
         if effective_factor(config.factor, topology.node_count) < 2:
             _say_off_once(f"replication factor {config.factor}")
             return cls(base_dir, topology, config, None)
+        # Every rank has loaded by now (training steps synchronise them): recovery's server for loads can go.
+        remote_objects.stop_fetching(base_dir)
         endpoints = peer_endpoints(base_dir, config, topology=topology, receive_pushes=True)
         service = cls(base_dir, topology, config, endpoints)
         if topology.rank == 0:

@@ -100,6 +100,7 @@ def choose_after_an_unexpected_check_failure(p: dict[str, Any]) -> None:
 
     from ml_flashpoint_nemo.dcp import MemoryStorageWriter
     from ml_flashpoint_nemo.replication import choice as recovery
+    from ml_flashpoint_nemo.replication import own_objects
 
     base = Path(p["root"]) / "shared"
     writer = MemoryStorageWriter(base)
@@ -108,7 +109,7 @@ def choose_after_an_unexpected_check_failure(p: dict[str, Any]) -> None:
     if dist.get_rank() == 1:
         def broken(*args: Any, **kwargs: Any) -> None:
             raise ValueError("an unexpected failure in the version check")
-        recovery.verify_object_file = broken
+        own_objects.verify_object_file = broken  # the check of a version saved at this world size
     print(f"CHOSEN {recovery.choose_version(base).step}", flush=True)
 
 

@@ -560,7 +560,9 @@ def choose_after_verifying_ahead(p: dict[str, Any]) -> None:
         reads.append(args[0])
         return verify(*args, **kwargs)
 
-    choice.verify_object_file = counted
+    from ml_flashpoint_nemo.replication import own_objects
+
+    choice.verify_object_file = own_objects.verify_object_file = counted  # the elastic path's and the saved layout's
     print("CHOSEN", choice.choose_version(base).step, "READ", len(reads), flush=True)
 
 

@@ -80,6 +80,9 @@ def load_when_one_nodes_copy_is_damaged(root: Path) -> str:
         with environment(**{SECRET_ENV: SECRET}):
             for step in (1, 2):
                 ms.save(p, step, None, strategy)
+        # Rank 1 reads rank 0's object (the replicated tensors) from its own node: wait until it was pushed there.
+        assert strategy.replication is not None and strategy.replication.wait(2, timeout=60).replicated
+        dist.barrier()
         metadata = Path(p["base"]) / "step-2" / DCP_METADATA_NAME
         if dist.get_rank() == 1:
             flip(metadata)

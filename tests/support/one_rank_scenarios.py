@@ -21,10 +21,10 @@ from ml_flashpoint_nemo import _core
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.space import check_room_on_every_rank
 from ml_flashpoint_nemo.core.topology import discover_nodes
-from ml_flashpoint_nemo.errors import BaseDirError, CorruptCheckpointError
+from ml_flashpoint_nemo.errors import BaseDirError
 from ml_flashpoint_nemo.nemo.callback import FlashpointCallback  # Lightning's import, before the timed cases
 from ml_flashpoint_nemo.nemo.settings import FlashpointSettings
-from ml_flashpoint_nemo.replication import choice, recovery
+from ml_flashpoint_nemo.replication import choice, own_objects, recovery
 from ml_flashpoint_nemo.replication.secret import SECRET_ENV, SECRET_FILE_ENV, agree_on_secret
 from ml_flashpoint_nemo.replication.service import ReplicationConfig, ReplicationService, peer_endpoints
 from tests.support.one_rank_sites import (
@@ -149,7 +149,7 @@ def recovery_when_one_leader_cannot_fetch_the_version_files(root: Path) -> str:
     """Phase A: node 1 lacks the commit record and its leader's fetch fails: every rank gives the step up."""
     committed_on_two_nodes(root, without_commit=True)
     with environment(**{SECRET_ENV: SECRET}), \
-            failing_on(1, recovery, "_fetch_version_files", ConnectionError("injected: the peer vanished")):
+            failing_on(1, recovery, "fetch_version_files", ConnectionError("injected: the peer vanished")):
         found = recovery.fetch_missing_from_peers(node_base(root), CONFIG)
     with environment(**{SECRET_ENV: SECRET}):
         return f"FETCHED {found} THEN {recovery.fetch_missing_from_peers(node_base(root), CONFIG)}"
@@ -159,19 +159,18 @@ def recovery_when_one_rank_cannot_fetch_an_object(root: Path) -> str:
     """Phase B: node 1 lacks rank 0's object and rank 1's fetch fails: every rank gives the step up."""
     committed_on_two_nodes(root, without_object_of=0)
     with environment(**{SECRET_ENV: SECRET}), \
-            failing_on(1, recovery, "_fetch_object", RuntimeError("injected: the fetch broke")):
+            failing_on(1, recovery, "fetch_object_from", RuntimeError("injected: the fetch broke")):
         found = recovery.fetch_missing_from_peers(node_base(root), CONFIG)
     with environment(**{SECRET_ENV: SECRET}):
         return f"FETCHED {found} THEN {recovery.fetch_missing_from_peers(node_base(root), CONFIG)}"
 
 
 def choice_when_dropping_corrupt_objects_fails_oddly(root: Path) -> str:
-    """Rank 1's check of step 1 fails, and then checking its own object fails with an error nobody expected:
-    every rank still reaches the gather of dropped objects and agrees that no version is usable."""
+    """Checking rank 1's own object of step 1 fails with an error nobody expected: every rank still reaches
+    the all-reduces of the choice and agrees that no version is usable (the next choice takes step 1)."""
     committed_on_two_nodes(root)
     with environment(**{SECRET_ENV: SECRET}), \
-            failing_on(1, choice, "verify_version", CorruptCheckpointError("injected: a record fails its CRC32C")), \
-            failing_on(1, choice, "verify_object_file", ValueError("injected: an unexpected failure")):
+            failing_on(1, own_objects, "verify_object_file", ValueError("injected: an unexpected failure")):
         chosen = choice.choose_version(node_base(root))
     with environment(**{SECRET_ENV: SECRET}):
         return f"CHOSEN {chosen.step} THEN {choice.choose_version(node_base(root)).step}"

@@ -98,6 +98,30 @@ def restart_load(p: dict[str, Any]) -> None:
         print(f"LOADED {step} OK", flush=True)
 
 
+def _version_files_here(base: Path) -> set[str]:
+    """Every file of every version directory of this node (not its pool or spares), relative to base."""
+    return {str(f.relative_to(base)) for f in base.glob("step-*/*") if f.is_file()} | \
+        {str(f.relative_to(base)) for f in base.glob("step-*/.*") if f.is_file()}
+
+
+def restart_counting_fetches(p: dict[str, Any]) -> None:
+    """A restarted job that prints, per node, which files its choice and its load brought onto the node."""
+    base = Path(node_base(p))
+    base.mkdir(parents=True, exist_ok=True)
+    before = _version_files_here(base)
+    dist.barrier()
+    step = choose_version(str(base)).step
+    dist.barrier()
+    chosen = _version_files_here(base)
+    check_loaded(load(dict(p, base=str(base)), step), step)
+    dist.barrier()
+    loaded = _version_files_here(base)
+    if dist.get_rank() % p["ranks_per_node"] == 0:
+        node = dist.get_rank() // p["ranks_per_node"]
+        print(f"NODE {node} CHOSEN {step} CHOICE FETCHED {sorted(chosen - before)} "
+              f"LOAD FETCHED {sorted(loaded - chosen)}", flush=True)
+
+
 def close_during_a_stuck_push(p: dict[str, Any]) -> None:
     """2 nodes x 1 rank. Rank 1's transfer server is replaced by a socket that never answers, so rank 0's
     push of step 2 waits in its handshake; closing the service must return within its bound anyway."""
@@ -139,4 +163,5 @@ def _connected_to(port: int) -> bool:
 
 
 if __name__ == "__main__":
-    scenario_main({f.__name__: f for f in (replicate, restart_load, close_during_a_stuck_push)})
+    scenario_main({f.__name__: f for f in (replicate, restart_load, close_during_a_stuck_push,
+                                           restart_counting_fetches)})
