@@ -167,6 +167,26 @@ def test_ls_lists_a_version_whose_creation_time_is_no_time(shm_dir, capsys, toke
     assert forged["created_unix"] is None and forged["created"] is None and not forged["created_valid"]
 
 
+@pytest.mark.parametrize("token", ["NaN", "Infinity", "1e309", '"nan"', "true", "1" + "0" * 400])
+def test_a_commit_record_whose_creation_time_is_no_time_is_corrupt_and_the_older_version_is_chosen(shm_dir, token):
+    """The decoder refuses such a record as CorruptCheckpointError (it was a raw OverflowError for a huge
+    integer, and NaN passed), so every reader skips the version the same way and falls back to the older one."""
+    from ml_flashpoint_nemo.core.layout import CheckpointLayout
+    from ml_flashpoint_nemo.core.loader import load_newest_valid
+    from ml_flashpoint_nemo.core.versions import read_commit
+    from ml_flashpoint_nemo.errors import CorruptCheckpointError
+
+    base = shm_dir / "base"
+    with CheckpointSaver(base, rank=0) as saver:
+        saver.save(1, {"w": torch.ones(3)}, keep=None)
+        saver.save(2, {"w": torch.full((3,), 2.0)}, keep=None)
+    forge_created_unix(base, 2, token)
+    with pytest.raises(CorruptCheckpointError, match="created_unix .* is not a finite number|malformed"):
+        read_commit(CheckpointLayout(base), 2)
+    step, state = load_newest_valid(base, rank=0)
+    assert step == 1 and torch.equal(state["w"], torch.ones(3))
+
+
 # --- verify's work grows with the objects, not objects times ranks (finding 6b) -------------------
 
 

@@ -55,7 +55,9 @@ def test_request_the_version_cannot_satisfy_fails_clearly_as_with_torch_dist(bas
 
 
 @pytest.mark.parametrize("kind, message", [
-    ("record_shape", "holds [4, 6] elements but the DCP metadata of version 1 says [6, 4]"),
+    # same volume, inside the tensor, but overlapping rank 1's chunk: refused as a tiling lie before any read
+    # (a record whose shape differs from a chunk that tiles: tests/test_hostile_metadata.py)
+    ("record_shape", "lists chunks of w_col that overlap"),
     ("outside", "outside the tensor's shape [8, 6]"),
     ("negative", "not non-negative integers"),
     ("chunk_missing", "holding 24 elements, but the tensor [8, 6] has 48: part of it was not saved"),
@@ -66,8 +68,7 @@ def test_chunk_offsets_and_sizes_from_the_metadata_are_checked_before_use(base_d
     run("save_layout", 2, base=base_dir, step=1, tp=2)
     outputs = run("forged_chunk_is_refused", 1, base=base_dir, step=1, tp=1, kind=kind)
     assert "CorruptCheckpointError" in outputs[0] and message in outputs[0], outputs[0]
-    if kind != "record_shape":  # refused before any record is read
-        assert "UNTOUCHED True" in outputs[0], outputs[0]
+    assert "UNTOUCHED True" in outputs[0], outputs[0]  # refused before any record is read
     assert verify_version(base_dir, 1).objects == 2  # the stored objects are intact
 
 

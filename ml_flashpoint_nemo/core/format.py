@@ -117,6 +117,13 @@ def _json_object(value: Any, what: str) -> dict[str, Any]:
     return value
 
 
+def _json_time(value: Any, what: str) -> float:
+    """A JSON number that is a finite time in seconds (not a bool, a string, NaN or infinity)."""
+    if type(value) not in (int, float) or not math.isfinite(value):
+        raise ValueError(f"{what} {value!r} is not a finite number")
+    return float(value)
+
+
 def _json_count(value: Any, what: str) -> int:
     """A JSON integer >= 0 (not a bool, not a float)."""
     if type(value) is not int or value < 0:
@@ -393,12 +400,12 @@ class CommitRecord:
                 step=_json_count(payload["step"], "step"),
                 world_size=_json_count(payload["world_size"], "world_size"),
                 objects=tuple(ObjectRecord.from_json(o) for o in payload["objects"]),
-                created_unix=float(payload["created_unix"]),
+                created_unix=_json_time(payload["created_unix"], "created_unix"),
                 metadata=_json_object(payload.get("metadata") or {}, "metadata"),
             )
             _check_commit_contents(record)
             return record
-        except (ValueError, KeyError, TypeError, RecursionError) as exc:
+        except (ValueError, KeyError, TypeError, RecursionError, OverflowError) as exc:
             raise CorruptCheckpointError(f"commit record {path} is malformed ({exc}). {CORRUPT_ADVICE}") from exc
 
     def objects_of_rank(self, rank: int) -> list[ObjectRecord]:
