@@ -101,7 +101,18 @@ def is_sharded(index: int) -> bool:
     return index % 2 == 0
 
 
-def sharded_state(step: int, tensors: int, *, zeros: bool = False) -> Json:
+PAYLOAD_KEY = "payload"  # --mib-per-rank: one large tensor per rank, sharded by rank (its own bytes)
+
+
+def payload_values(step: int, rank: int, mib: float) -> Any:
+    """This rank's payload at step: mib MiB of float32, reproducible."""
+    import torch
+
+    count = int(mib * (1 << 20)) // 4
+    return torch.randn(count, generator=torch.Generator().manual_seed(step * 7_919 + rank + 1))
+
+
+def sharded_state(step: int, tensors: int, *, zeros: bool = False, mib: float = 0.0) -> Json:
     """This rank's Megatron sharded state dict at step (zeros: the template a load fills)."""
     import torch
     import torch.distributed as dist
@@ -118,13 +129,17 @@ def sharded_state(step: int, tensors: int, *, zeros: bool = False) -> Json:
             state[key] = ShardedTensor.from_rank_offsets(key, values, (0, rank, world))
         else:
             state[key] = ShardedTensor.from_rank_offsets(key, values, replica_id=rank)
+    if mib > 0:
+        payload = payload_values(step, rank, mib)
+        state[PAYLOAD_KEY] = ShardedTensor.from_rank_offsets(
+            PAYLOAD_KEY, torch.zeros_like(payload) if zeros else payload, (0, rank, world))
     state["rank_state"] = ShardedObject("rank_state", None if zeros else {"step": step, "rank": rank},
                                         (world,), (rank,), replica_id=0)
     state["iteration"] = step  # common state
     return state
 
 
-def mismatches(loaded: Json, step: int, tensors: int) -> list[str]:
+def mismatches(loaded: Json, step: int, tensors: int, mib: float = 0.0) -> list[str]:
     """Keys whose loaded value differs, bit for bit, from what this rank saved at step."""
     import torch
     import torch.distributed as dist
@@ -137,6 +152,8 @@ def mismatches(loaded: Json, step: int, tensors: int) -> list[str]:
         if not isinstance(got, torch.Tensor) or got.dtype != expected.dtype \
                 or not torch.equal(got.view(torch.int32), expected.view(torch.int32)):
             wrong.append(key)
+    if mib > 0 and not torch.equal(loaded.get(PAYLOAD_KEY), payload_values(step, rank, mib)):
+        wrong.append(PAYLOAD_KEY)
     if loaded.get("rank_state") != {"step": step, "rank": rank}:
         wrong.append("rank_state")
     if loaded.get("iteration") != step:
@@ -160,6 +177,7 @@ class RankSpec:
     factor: int
     root: str
     result: str
+    mib: float = 0.0  # --mib-per-rank
 
     @property
     def node(self) -> int:
@@ -250,7 +268,7 @@ def run_saves(spec: RankSpec, meter: Any) -> Json:
     try:
         for index in range(spec.saves):
             step = index + 1
-            state = sharded_state(step, spec.tensors)
+            state = sharded_state(step, spec.tensors, mib=spec.mib)
             directory = os.path.join(spec.base, f"step-{step}")
             if spec.rank == 0:  # Megatron checks that the directory exists, on rank 0
                 os.makedirs(directory, exist_ok=True)
@@ -299,16 +317,16 @@ def run_recovery(spec: RankSpec, meter: Any) -> Json:
         chosen = choose_version(spec.base).step
         choose_s = net_seconds(started, choose)
     out: Json = {"chosen": chosen, "choose_s": choose_s, "choose": choose.as_dict()}
-    if spec.phase != "lost" or chosen is None:
+    if chosen is None:
         return out
-    dist.barrier()
+    dist.barrier()  # both restarts load: the objects a load reads from other nodes count as fetched
     with meter.window("load") as load:
         started = time.perf_counter()
-        loaded = dist_checkpointing.load(sharded_state(chosen, spec.tensors, zeros=True),
+        loaded = dist_checkpointing.load(sharded_state(chosen, spec.tensors, zeros=True, mib=spec.mib),
                                          os.path.join(spec.base, f"step-{chosen}"),
                                          sharded_strategy=FlashpointLoadStrategy())
         load_s = net_seconds(started, load)
-    wrong = mismatches(loaded, chosen, spec.tensors)
+    wrong = mismatches(loaded, chosen, spec.tensors, spec.mib)
     out.update(load_s=load_s, load=load.as_dict(), bit_exact=not wrong, mismatched_keys=wrong[:10])
     return out
 
@@ -390,7 +408,8 @@ class World:
 
     def spec(self, rank: int, tensors: int) -> RankSpec:
         return RankSpec(self.phase, rank, self.world, self.args.ranks_per_node, tensors, self.args.saves,
-                        self.args.factor, str(self.root), str(self.logs / f"{self.tag}-rank{rank}.json"))
+                        self.args.factor, str(self.root), str(self.logs / f"{self.tag}-rank{rank}.json"),
+                        self.args.mib_per_rank)
 
     def env(self, rank: int, port: int) -> dict[str, str]:
         return {"RANK": str(rank), "WORLD_SIZE": str(self.world), "LOCAL_RANK": str(rank % self.args.ranks_per_node),
@@ -539,6 +558,7 @@ def measure_point(world: int, tensors: int, args: argparse.Namespace, root: Path
         point[f"{phase}_fetched_objects_per_node"] = [f["objects"] for f in fetched]
         point[f"{phase}_fetched_version_files_per_node"] = [f["version_files"] for f in fetched]
         point[f"{phase}_node_lost"] = (args.lost_node % nodes) if lost else None
+        point[f"{phase}_tmpfs_per_node"] = [tree_bytes(base)["allocated"] for base in bases]
     point["wall_seconds"] = round(time.monotonic() - started, 2)
     return point
 
@@ -657,6 +677,8 @@ def summarize(point: Json) -> Json:
         recovery["fetched_version_files_per_node"] = spread(point[f"{phase}_fetched_version_files_per_node"])
         recovery["fetched_total"] = sum(fetched)
         recovery["node_lost"] = point[f"{phase}_node_lost"]
+        recovery["tmpfs_per_node"] = spread(point[f"{phase}_tmpfs_per_node"])
+        recovery["bit_exact"] = all(r.get("bit_exact") is True for r in ranks)
         row[f"recovery_{phase}"] = recovery
     row["load"] = window_summary(lost, "load", "load_s")
     row["load"]["bit_exact"] = all(r.get("bit_exact") is True for r in lost)
@@ -865,7 +887,8 @@ def header_lines(args: argparse.Namespace, argv: Sequence[str]) -> list[str]:
         f"ranks per node {args.ranks_per_node}, replication factor {args.factor}, {args.saves} saves per world "
         f"(save 1 = first, saves 2.. = steady), node lost: {args.lost_node}",
         f"state per rank: T tensors of {ELEMENTS} float32, even ones sharded over ranks, odd ones replicated "
-        "(written once), one ShardedObject, common state",
+        "(written once), one ShardedObject, common state" + (f", and {args.mib_per_rank:g} MiB of its own per rank"
+                                                            if args.mib_per_rank else ""),
     ]
 
 
@@ -895,8 +918,8 @@ def result_tables(rows: list[Json]) -> list[str]:
                 human_bytes(rec["fetched_per_node"]["max"]),
                 f'{human_bytes(rec["fetched_objects_per_node"]["max"])}+'
                 f'{human_bytes(rec["fetched_version_files_per_node"]["max"])}',
-                human_bytes(rec["fetched_total"]),
-                ",".join(rec["chosen"])])
+                human_bytes(rec["fetched_total"]), human_bytes(rec["tmpfs_per_node"]["max"]),
+                ",".join(rec["chosen"]), "yes" if rec["bit_exact"] else "NO"])
         load = r["load"]
         load_lines.append([
             str(r["ranks"]), str(r["nodes"]), str(r["tensors"]), count(load.get("collectives", {}).get("max")),
@@ -912,9 +935,10 @@ def result_tables(rows: list[Json]) -> list[str]:
               ["N", "nodes", "T", "coll", "blk+cmt", "recv max", "recv mean", "recv max blk+cmt", "coll s max",
                "1st coll", "1st recv max", "block max",
                "block mean", "commit max", "commit mean", "1st block max", "replication"], save_lines),
-        table("RECOVERY (choose_version on every rank; fetched = bytes that appeared under node base dirs)",
+        table("RECOVERY (choose_version, then a load, on every rank; coll/recv/s: the choice; fetched = bytes that "
+              "appeared under node base dirs during the choice and the load; tmpfs/node after = du after the load)",
               ["N", "nodes", "T", "case", "coll", "recv max", "recv mean", "s max", "s mean", "fetched/node max",
-               "objects+version files", "fetched total", "chosen"], recovery_lines),
+               "objects+version files", "fetched total", "tmpfs/node after", "chosen", "bit-exact"], recovery_lines),
         table("LOAD after the last recovery (FlashpointLoadStrategy) and TMPFS per node after the saves (du)",
               ["N", "nodes", "T", "load coll", "load recv max", "load s max", "bit-exact", "tmpfs/node max",
                "tmpfs/node mean", "version files/node max", "pool/node max", "wall s"], load_lines),
@@ -986,6 +1010,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tensors", type=parse_ints, default=[64, 2000], help="tensors per rank T (default 64,2000)")
     parser.add_argument("--saves", type=int, default=3, help="saves per world (>= 2: the first and steady ones)")
     parser.add_argument("--factor", type=int, default=2, help="replication factor k")
+    parser.add_argument("--mib-per-rank", type=float, default=0.0,
+                        help="add one tensor of this many MiB per rank (its own shard): tmpfs sizes that mean something")
     parser.add_argument("--lost-node", type=int, default=0, help="the node wiped before the last restart")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds for the three worlds of one (N, T)")
     parser.add_argument("--target-ranks", type=int, default=4096)
