@@ -52,6 +52,10 @@ class ChecksumError(CorruptCheckpointError):
         self.key = key
 
 
+class PeerFetchError(FlashpointError):
+    """An object a load reads is on no reachable node that holds it (its peers or the network failed)."""
+
+
 class FormatVersionError(FlashpointError):
     """A file was written in a format version this release cannot read (e.g. by a newer release).
 

@@ -201,10 +201,35 @@ def test_restart_fetches_only_what_each_node_reads(shm_dir):
                      3: "CHOSEN 3 CHOICE FETCHED [] LOAD FETCHED []"}, lines
 
 
-def weight_offset(base: str, step: int) -> int:
-    """Where rank 1's layer.weight data starts in its object of step."""
-    record = next(o for o in read_commit(CheckpointLayout(base), step).objects if o.name == object_name(1))
-    with open_object(str(Path(base) / f"step-{step}" / object_name(1)), record) as obj:
+def test_restart_on_reordered_hosts_finds_each_ranks_objects_and_checks_the_replicas_its_load_reads(shm_dir):
+    """8 ranks on 4 nodes, k=2, saved, then restarted with the nodes in another order (a launcher that ranks the
+    hosts differently): ranks 0-1 now run where ranks 4-5 saved, and so on. The placement no longer says where
+    a rank's objects are; each rank that lacks its own asks the other nodes and the choice still takes step 3.
+    Then node 1's replica of rank 0's object (read by every load: the replicated bias) is damaged: the load on
+    that node checks it before use, drops it and fetches a good copy. Both loads are bit-exact."""
+    world, per_node = 8, 2
+    bases = bases_for(shm_dir, 4)
+    outputs = run("replicate", world, bases=bases, ranks_per_node=per_node, steps=[1, 2, 3])
+    assert all(s.endswith("replicated failed=[]") for s in statuses(outputs, 3)), outputs
+    reordered = [bases[2], bases[3], bases[0], bases[1]]
+    outputs = run("restart_counting_fetches", world, bases=reordered, ranks_per_node=per_node)
+    lines = fetch_lines(outputs)
+    assert all(line.startswith("CHOSEN 3 ") for line in lines.values()), lines
+    assert "fetched 1 of its objects of step 3" in "".join(outputs), outputs  # found off the placement
+    replica = Path(bases[1]) / "step-3" / object_name(0)
+    flip_bit(replica, weight_offset(bases[0], 3, rank=0))  # a record of the object that node 1's loads read
+    damaged = replica.read_bytes()
+    outputs = run("restart_counting_fetches", world, bases=bases, ranks_per_node=per_node)
+    assert all(line.startswith("CHOSEN 3 ") for line in fetch_lines(outputs).values()), outputs
+    # node 1's load checked its copy, found the flip (in a record its ranks do not even read) and fetched it again
+    assert replica.read_bytes() != damaged and replica.read_bytes() == (Path(bases[0]) / "step-3" /
+                                                                        object_name(0)).read_bytes()
+
+
+def weight_offset(base: str, step: int, rank: int = 1) -> int:
+    """Where rank's layer.weight data starts in its object of step."""
+    record = next(o for o in read_commit(CheckpointLayout(base), step).objects if o.name == object_name(rank))
+    with open_object(str(Path(base) / f"step-{step}" / object_name(rank)), record) as obj:
         return next(e.offset for e in obj.entries if e.key.startswith("layer.weight"))
 
 

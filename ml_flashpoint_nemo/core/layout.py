@@ -32,6 +32,7 @@ POOL_DIR = "pool"
 REPLICA_SPARES = f"{POOL_DIR}/replica-spares"  # relative to the base directory (the transfer server's form)
 OBJECT_SUFFIX = ".fpo"
 LOCK_NAME = ".lock"
+FETCH_LOCK_NAME = ".fetch.lock"  # in a node's base directory: one rank of the node at a time checks or fetches an object
 HOLD_PREFIX = ".drain-hold-"
 BUFFER_PREFIX = "buf-"
 SPARE_PREFIX = "spare-"

@@ -18,14 +18,13 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from pathlib import Path
 from typing import Callable
 
 from ml_flashpoint_nemo.core.format import ObjectRecord
 
 logger = logging.getLogger(__name__)
 
-# fetch(step, record): put the object `record` of version `step` in place on this node, checked, or raise.
+# fetch(step, record): make the object `record` of version `step` present and checked on this node, or raise.
 Fetcher = Callable[[int, ObjectRecord], None]
 
 _lock = threading.Lock()
@@ -65,6 +64,12 @@ def stop_fetching(base_dir: str | os.PathLike[str]) -> None:
         registered[1]()
 
 
+def fetching(base_dir: str | os.PathLike[str]) -> bool:
+    """Whether a recovery serves base_dir's loads: the job restarted on several nodes, each holding its own objects."""
+    with _lock:
+        return os.path.realpath(base_dir) in _fetchers
+
+
 def stop_all() -> None:
     """Stop every fetcher of this process (at exit)."""
     with _lock:
@@ -74,17 +79,17 @@ def stop_all() -> None:
         stop()
 
 
-def ensure_local(base_dir: str | os.PathLike[str], step: int, record: ObjectRecord, path: str | os.PathLike[str]) -> None:
-    """Before a load opens `path`: fetch it when it is absent and a fetcher is registered; else do nothing.
+def ensure_local(base_dir: str | os.PathLike[str], step: int, record: ObjectRecord) -> None:
+    """Before a load opens the object `record` of version `step`: let the registered fetcher check or fetch it; without one, do nothing.
 
-    A fetch that fails raises its error (the load fails on this rank as an absent object would).
+    The fetcher checks an object that another rank saved before its first use here (a replica
+    or an earlier fetch may be damaged) and fetches it when it is absent or was damaged. A fetch
+    that fails raises its error (the load fails on this rank as an absent object would).
     """
-    if Path(path).exists():
-        return
     with _lock:
         registered = _fetchers.get(os.path.realpath(base_dir))
     if registered is None:
         return
     fetch = registered[0]
-    logger.debug("fetching %s of step %d, which the load reads and this node lacks", record.name, step)
+    logger.debug("checking %s of step %d before the load reads it", record.name, step)
     fetch(step, record)

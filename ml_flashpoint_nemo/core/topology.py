@@ -8,6 +8,7 @@ all_gather_object, never by GPU counts or launcher guesses.
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import socket
@@ -21,6 +22,8 @@ import torch.distributed as dist
 
 from ml_flashpoint_nemo import errors
 from ml_flashpoint_nemo.errors import BaseDirError, FlashpointError
+
+logger = logging.getLogger(__name__)
 
 
 def node_identity(base_dir: str | os.PathLike[str]) -> tuple[str, str]:
@@ -144,10 +147,12 @@ def gathered_on_coordinator(payload: Any, problem: str | None) -> tuple[list[str
     """Collective: (every rank's problem, every rank's payload on rank 0 and None elsewhere).
 
     What a save's finalize needs at any job size: only the coordinator receives O(N) payloads;
-    every other rank receives one 16-byte all-reduce (any problem? the longest pickle) and
-    nothing more, unlike all_gather_object, which hands every rank all N payloads. When some
+    every other rank receives two all-reduces of 16 and 8 bytes (any problem? the longest pickle?
+    can rank 0 hold them all?) and nothing more, unlike all_gather_object, which hands every rank all N payloads. When some
     rank has a problem (or cannot pickle its payload) nothing is gathered and every rank gets
-    every problem instead, so that all of them raise alike.
+    every problem instead, so that all of them raise alike. Rank 0 failing to receive or decode
+    (out of memory, say) is rank 0's problem alone: its payloads are then None and the caller
+    reports it to every rank with its next collective.
     """
     data = b""
     if problem is None:
@@ -161,21 +166,33 @@ def gathered_on_coordinator(payload: Any, problem: str | None) -> tuple[list[str
     framed = bytearray(_LENGTH_BYTES + longest)  # equal sizes on every rank, as gather requires
     framed[:_LENGTH_BYTES] = len(data).to_bytes(_LENGTH_BYTES, "little")
     framed[_LENGTH_BYTES:_LENGTH_BYTES + len(data)] = data
-    mine = torch.frombuffer(framed, dtype=torch.uint8)
     device = _collective_device()
+    mine = torch.frombuffer(framed, dtype=torch.uint8)
     if device is not None:
         mine = mine.to(device)
-    coordinator = dist.get_rank() == 0
-    buffers = [torch.empty_like(mine) for _ in range(dist.get_world_size())] if coordinator else None
-    dist.gather(mine, buffers, dst=0)
-    if buffers is None:
+    buffer = None
+    if dist.get_rank() == 0:
+        try:  # one flat buffer, so that a failure is one place
+            buffer = torch.empty((dist.get_world_size(), mine.numel()), dtype=torch.uint8, device=mine.device)
+        except Exception:  # noqa: BLE001 - told to every rank by the all-reduce below, before the gather
+            logger.exception("rank 0 cannot hold every rank's report (%d x %d bytes)", dist.get_world_size(),
+                             mine.numel())
+    # An allocation can fail (a CUDA one above all): every rank learns it before it would wait in the gather.
+    (cannot_receive,) = reduced_ints([int(dist.get_rank() == 0 and buffer is None)])
+    if cannot_receive:
         return [], None
-    payloads = []
-    for buffer in buffers:
-        raw = buffer.cpu().numpy().tobytes()
-        length = int.from_bytes(raw[:_LENGTH_BYTES], "little")
-        payloads.append(pickle.loads(raw[_LENGTH_BYTES:_LENGTH_BYTES + length]))
-    return [], payloads
+    dist.gather(mine, list(buffer.unbind(0)) if buffer is not None else None, dst=0)
+    if buffer is None:
+        return [], None
+    try:
+        payloads = []
+        for raw in (bytes(row) for row in buffer.cpu().numpy()):
+            length = int.from_bytes(raw[:_LENGTH_BYTES], "little")
+            payloads.append(pickle.loads(raw[_LENGTH_BYTES:_LENGTH_BYTES + length]))
+        return [], payloads
+    except Exception:  # noqa: BLE001 - rank 0's alone; the caller reports it with its next collective
+        logger.exception("rank 0 cannot decode the reports it gathered")
+        return [], None
 
 
 def raise_if_any_rank_failed(error: BaseException | None, what: str) -> None:

@@ -275,7 +275,7 @@ class MemoryStorageReader(StorageReader):
         if record is None:
             raise CorruptCheckpointError(f"object {name} is not listed in the commit record of step {self.step}")
         path = self.layout.object_path(commit.step, name)
-        ensure_local(self.layout.base_dir, commit.step, record, path)  # another node's object this load reads
+        ensure_local(self.layout.base_dir, commit.step, record)  # another rank's object: checked, or fetched
         return _ObjectReads(opened.enter_context(open_object(str(path), record)))
 
     def _read_items(self, reads: "_ObjectReads", planner: LoadPlanner) -> None:

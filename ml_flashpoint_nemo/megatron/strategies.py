@@ -492,8 +492,10 @@ def _finalize_save(writer: _StagingWriter, global_metadata: Metadata | None, rep
         error = f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"
     errors, gathered = gathered_on_coordinator(results, error)
     commit_error: str | None = None
-    if not errors and gathered is not None:  # the coordinator, with every rank's records
+    if not errors and dist.get_rank() == 0:  # the coordinator, with every rank's records (None: it could not)
         try:
+            if gathered is None:
+                raise FlashpointError("rank 0 could not receive every rank's write records (see its log)")
             assert global_metadata is not None
             writer.finish(global_metadata, gathered)
         except Exception as exc:  # noqa: BLE001 - reported to every rank below

@@ -152,9 +152,8 @@ def choose_version(base_dir: str | os.PathLike[str], config: ReplicationConfig |
                 session.close()
                 return _choose_with_every_object_on_every_node(base_dir, fetch=True, skipped=skipped, below=below)
             if verdict.outcome == CHOSEN:
-                if topology.node_count > 1:  # a load may read another rank's object: its node serves it
-                    session.start()
-                    session.keep_for_loads()
+                if topology.node_count > 1:  # a load may read another rank's object: its node serves it (settle
+                    session.keep_for_loads()  # started the servers)
                     serving = True
                 _log_skipped(skipped, step)
                 return RecoveryChoice(step, skipped)

@@ -25,20 +25,23 @@ training steps synchronise the ranks), at an abort, or at exit.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import fcntl
 import logging
 import os
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
+from ml_flashpoint_nemo import _core
 from ml_flashpoint_nemo.core import lifecycle, remote_objects
 from ml_flashpoint_nemo.core.format import CommitRecord, ObjectRecord
-from ml_flashpoint_nemo.core.layout import CheckpointLayout
+from ml_flashpoint_nemo.core.layout import FETCH_LOCK_NAME, CheckpointLayout
 from ml_flashpoint_nemo.core.loader import verify_object_file
 from ml_flashpoint_nemo.core.topology import NodeTopology, problems_of_every_rank, reduced_ints
 from ml_flashpoint_nemo.core.tuning import default_copy_threads
 from ml_flashpoint_nemo.core.version_files import check_version_files
-from ml_flashpoint_nemo.core.versions import read_commit
-from ml_flashpoint_nemo.errors import CorruptCheckpointError
+from ml_flashpoint_nemo.errors import CorruptCheckpointError, PeerFetchError
 from ml_flashpoint_nemo.replication.placement import holder_nodes, peer_rank
 from ml_flashpoint_nemo.replication.preverify import verified_ahead
 from ml_flashpoint_nemo.replication.recovery import fetch_object_from, fetch_version_files
@@ -47,7 +50,7 @@ from ml_flashpoint_nemo.replication.service import PeerEndpoints, ReplicationCon
 logger = logging.getLogger(__name__)
 
 CHOSEN, SKIPPED, ELASTIC = "chosen", "skipped", "elastic"
-_NO_RANK = 1 << 62  # larger than any rank, for the MIN-as-MAX of the holders of a commit record
+_NO_RANK = 1 << 62  # larger than any rank (and any CRC), for a MIN computed as a MAX of negated values
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,7 @@ class RecoverySession:
         self.config = config
         self.endpoints: PeerEndpoints | None = None
         self._lock = threading.Lock()
+        self._checked: set[tuple[int, str]] = set()  # (step, object) checked or fetched on this node for a load
 
     def start(self) -> PeerEndpoints:
         """Collective the first time (every rank calls it at the same point): servers up, addresses known."""
@@ -74,17 +78,51 @@ class RecoverySession:
         return self.endpoints
 
     def fetch_for_load(self, step: int, record: ObjectRecord) -> None:
-        """core.remote_objects' fetcher: the object from its saving rank's node (else its replicas'), checked."""
-        endpoints = self.endpoints
-        if endpoints is None:
-            raise CorruptCheckpointError(f"{record.name} of step {step} is not on this node and the recovery's "
-                                         "transfer servers have stopped; load the version the restart chose")
+        """core.remote_objects' fetcher: another rank's object, checked once here, else fetched from its holders.
+
+        Under a lock per node (the ranks of a node share its files): the first rank checks a
+        present copy (a replica or an earlier fetch) or fetches it, and the others find it done.
+        """
+        if record.rank == self.topology.rank or (step, record.name) in self._checked:
+            return  # this rank's own objects were checked by the choice
         layout = CheckpointLayout(self.base_dir)
-        failure = _fetch(layout, step, record, _sources(self.topology, record.rank, self.config.factor), endpoints,
-                         self.config)
-        if failure:
-            raise CorruptCheckpointError(f"{record.name} of step {step}, which this load reads, could not be fetched "
-                                         f"from the node of rank {record.rank}: {failure}")
+        path = layout.object_path(step, record.name)
+        with _node_lock(layout):
+            if path.is_file():
+                try:
+                    verify_object_file(path, record, default_copy_threads())
+                    self._checked.add((step, record.name))
+                    return
+                except CorruptCheckpointError as exc:
+                    logger.warning("%s of step %d on this node is damaged (%s); fetching it again", record.name,
+                                   step, exc)
+                    path.unlink(missing_ok=True)
+            endpoints = self.endpoints
+            if endpoints is None:
+                raise PeerFetchError(f"{record.name} of step {step} is not on this node and the recovery's "
+                                         "transfer servers have stopped; load the version the restart chose")
+            failure = _fetch(layout, step, record, self._sources(record.rank, endpoints), endpoints, self.config)
+            if failure:
+                raise PeerFetchError(f"{record.name} of step {step}, which this load reads, could not be "
+                                         f"fetched from a node that holds it: {failure}")
+            self._checked.add((step, record.name))
+
+    def _sources(self, saving_rank: int, endpoints: PeerEndpoints) -> list[int]:
+        """Ranks whose nodes hold saving_rank's objects: per holder node, the paired rank first, then the others.
+
+        The holders are taken in an order that depends on this node, so that the nodes reading
+        one object do not all ask the same server first.
+        """
+        topology = self.topology
+        nodes = [n for n in holder_nodes(topology, saving_rank, self.config.factor) if n != topology.node]
+        if nodes:
+            turn = topology.node % len(nodes)
+            nodes = nodes[turn:] + nodes[:turn]
+        ranks = []
+        for node in nodes:
+            paired = peer_rank(topology, saving_rank, node)
+            ranks += [paired] + [r for r in topology.ranks_of_node(node) if r != paired]
+        return [r for r in ranks if endpoints.addresses[r] is not None]
 
     def keep_for_loads(self) -> None:
         """Serve and fetch the objects the coming loads read, until core.remote_objects.stop_fetching (or close)."""
@@ -103,10 +141,21 @@ class RecoverySession:
 atexit.register(remote_objects.stop_all)
 
 
-def _sources(topology: NodeTopology, saving_rank: int, factor: int) -> list[int]:
-    """The ranks whose nodes hold saving_rank's objects (its own node first, then its replicas'), not this one."""
-    nodes = holder_nodes(topology, saving_rank, factor)
-    return [peer_rank(topology, saving_rank, node) for node in nodes if node != topology.node]
+def _own_sources(topology: NodeTopology, factor: int) -> list[int]:
+    """The ranks paired with this one on the nodes the placement pushed its objects to."""
+    nodes = holder_nodes(topology, topology.rank, factor)
+    return [peer_rank(topology, topology.rank, node) for node in nodes if node != topology.node]
+
+
+@contextlib.contextmanager
+def _node_lock(layout: CheckpointLayout) -> Iterator[None]:
+    """Exclusive among the processes sharing this node's base directory (flock on a file there)."""
+    fd = os.open(os.path.join(layout.base_dir, FETCH_LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _fetch(layout: CheckpointLayout, step: int, record: ObjectRecord, sources: list[int], endpoints: PeerEndpoints,
@@ -120,13 +169,16 @@ def _fetch(layout: CheckpointLayout, step: int, record: ObjectRecord, sources: l
 def settle(layout: CheckpointLayout, step: int, topology: NodeTopology, session: RecoverySession) -> Verdict:
     """Collective: whether step can be resumed from at the saved layout, after restoring what this rank lacks."""
     rank = topology.rank
-    commit = _readable_commit(layout, step)
+    commit, digest = _readable_commit(layout, step)
     holder = rank if commit is not None else -1
-    lacking, negated_lowest, highest = reduced_ints([int(commit is None), -(holder if holder >= 0 else _NO_RANK),
-                                                     holder])
+    lacking, negated_lowest, highest, top_digest, negated_low_digest = reduced_ints(
+        [int(commit is None), -(holder if holder >= 0 else _NO_RANK), holder, digest, -(digest if digest >= 0 else
+                                                                                       _NO_RANK)])
+    if highest < 0:
+        return Verdict(SKIPPED, (f"no node can read the commit record of step {step}",))
+    if top_digest != -negated_low_digest:  # e.g. a node that rejoined with an older job's step of that number
+        return Verdict(SKIPPED, (f"the nodes hold different commit records for step {step}",))
     if lacking:
-        if highest < 0:
-            return Verdict(SKIPPED, (f"no node can read the commit record of step {step}",))
         endpoints = session.start()
         problem = None
         if commit is None and topology.is_leader:
@@ -134,7 +186,7 @@ def settle(layout: CheckpointLayout, step: int, topology: NodeTopology, session:
         failed = problems_of_every_rank(problem)
         if failed:
             return Verdict(SKIPPED, tuple(failed))
-        commit = _readable_commit(layout, step)  # the leader put it in place; its node's ranks read it now
+        commit, _ = _readable_commit(layout, step)  # the leader put it in place; its node's ranks read it now
     elastic = commit is not None and commit.world_size != len(topology.node_of_rank)
     any_elastic, any_unreadable = reduced_ints([int(elastic), int(commit is None)])
     if any_unreadable:
@@ -145,20 +197,16 @@ def settle(layout: CheckpointLayout, step: int, topology: NodeTopology, session:
     assert commit is not None  # every rank read it (the all-reduce above)
     missing, problem = _own_objects_to_fetch(layout, step, commit, topology)
     (any_missing,) = reduced_ints([int(bool(missing))])
-    if any_missing and topology.node_count < 2:
-        problem = problem or (f"rank {rank}: its object {missing[0].name} of step {step} is not on this node, and "
-                              "the job has no other node that could hold a copy" if missing else None)
-    elif any_missing:
+    if topology.node_count > 1:  # the loads may read other ranks' objects: every node must serve its own
         endpoints = session.start()
-        for record in missing:
-            if problem is None:
-                failure = _fetch(layout, step, record, _sources(topology, rank, session.config.factor), endpoints,
-                                 session.config)
-                if failure:
-                    problem = (f"rank {rank}: its object {record.name} of step {step} is on none of the nodes it was "
-                               f"replicated to: every copy was lost ({failure})")
+        if not any(endpoints.addresses[r] is not None for r in topology.ranks_of_node(topology.node)):
+            problem = problem or (f"rank {rank}: no rank of its node could start a transfer server, so the other "
+                                  "nodes could not read this node's objects")
         if missing and problem is None:
-            logger.info("Rank %d fetched %d of its objects of step %d from their replicas", rank, len(missing), step)
+            problem = _fetch_own(layout, step, missing, topology, endpoints, session.config)
+    elif any_missing and missing:
+        problem = problem or (f"rank {rank}: its object {missing[0].name} of step {step} is not on this node, and "
+                              "the job has no other node that could hold a copy")
     if problem is None:
         try:
             check_version_files(layout, commit)
@@ -168,11 +216,34 @@ def settle(layout: CheckpointLayout, step: int, topology: NodeTopology, session:
     return Verdict(SKIPPED, tuple(failed)) if failed else Verdict(CHOSEN)
 
 
-def _readable_commit(layout: CheckpointLayout, step: int) -> CommitRecord | None:
+def _fetch_own(layout: CheckpointLayout, step: int, missing: list[ObjectRecord], topology: NodeTopology,
+               endpoints: PeerEndpoints, config: ReplicationConfig) -> str | None:
+    """Fetch this rank's missing objects: from the nodes the placement pushed them to, else from any node.
+
+    Another node than the placement's holds them when the ranks sit on other hosts than when they
+    were saved (a launcher that ordered the nodes differently): each node is then asked once,
+    by this rank alone, with no collective.
+    """
+    placed = _own_sources(topology, config.factor)
+    others = [peer_rank(topology, topology.rank, n) for n in range(topology.node_count) if n != topology.node]
+    sources = [r for r in dict.fromkeys(placed + others) if endpoints.addresses[r] is not None]
+    for record in missing:
+        failure = _fetch(layout, step, record, sources, endpoints, config)
+        if failure:
+            return (f"rank {topology.rank}: its object {record.name} of step {step} is on no node that answered: "
+                    f"every copy was lost ({failure})")
+    logger.info("Rank %d fetched %d of its objects of step %d from their replicas", topology.rank, len(missing), step)
+    return None
+
+
+def _readable_commit(layout: CheckpointLayout, step: int) -> tuple[CommitRecord | None, int]:
+    """This node's commit record of step and the CRC32C of its bytes; (None, -1) when absent or unreadable."""
     try:
-        return read_commit(layout, step)
+        raw = layout.commit_path(step).read_bytes()
+        record = CommitRecord.decode(raw, str(layout.commit_path(step)))
+        return (record, _core.crc32c(raw)) if record.step == step else (None, -1)
     except Exception:  # noqa: BLE001 - absent or unreadable: this node takes it from a peer
-        return None
+        return None, -1
 
 
 def _fetch_files_from(layout: CheckpointLayout, step: int, endpoints: PeerEndpoints, config: ReplicationConfig,

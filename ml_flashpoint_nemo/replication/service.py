@@ -311,6 +311,8 @@ class ReplicationService:
               config: ReplicationConfig | None = None) -> "ReplicationService":
         """Collective unless replication is off (decided from the topology and config, same on every rank)."""
         config = config or ReplicationConfig()
+        # Every rank has loaded by now (training steps synchronise them): recovery's server for loads can go.
+        remote_objects.stop_fetching(base_dir)
         if not config.enabled:
             _say_off_once("disabled by configuration")
             return cls(base_dir, topology, config, None)
@@ -320,8 +322,6 @@ class ReplicationService:
         if effective_factor(config.factor, topology.node_count) < 2:
             _say_off_once(f"replication factor {config.factor}")
             return cls(base_dir, topology, config, None)
-        # Every rank has loaded by now (training steps synchronise them): recovery's server for loads can go.
-        remote_objects.stop_fetching(base_dir)
         endpoints = peer_endpoints(base_dir, config, topology=topology, receive_pushes=True)
         service = cls(base_dir, topology, config, endpoints)
         if topology.rank == 0:
