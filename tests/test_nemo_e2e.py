@@ -87,6 +87,17 @@ def test_durable_checkpoint_is_the_fallback_and_the_newer_one_wins(nemo_referenc
     assert compare(tmp_path, resumed_from=source) == []
 
 
+def test_restart_on_two_nodes_loads_in_parallel_from_what_each_rank_saved(nemo_reference, tmp_path, shm_dir):
+    """Each rank its own node: after the crash the RAM version is read with Megatron's parallel load (each rank
+    reads the part of the replicated tensors it saved, the rest arrives over the process group), bit-exact."""
+    link_reference(nemo_reference, tmp_path)
+    train(tmp_path, "crash", shm_dir / "node{rank}", "--every", "2", "--kill-at", "5", expect=-9)
+    resumed = train(tmp_path, "resume", shm_dir / "node{rank}", "--every", "2")
+    assert resumed["resumed_from"] == "ram" and resumed["resumed_path"].endswith("step-4"), resumed["resumed_path"]
+    assert resumed["parallel_loads"] == 1, resumed["parallel_loads"]
+    assert compare(tmp_path) == []
+
+
 def test_corrupted_ram_version_falls_back_to_the_older_one_with_a_warning(nemo_reference, tmp_path, shm_dir):
     link_reference(nemo_reference, tmp_path)
     train(tmp_path, "crash", shm_dir, "--every", "2", "--kill-at", "5", expect=-9)

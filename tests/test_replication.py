@@ -226,6 +226,24 @@ def test_restart_on_reordered_hosts_finds_each_ranks_objects_and_checks_the_repl
                                                                         object_name(0)).read_bytes()
 
 
+def test_nodes_holding_different_commit_records_for_a_step_skip_it(shm_dir):
+    """2 nodes x 1 rank, steps 2 and 3 kept. Node 1's commit record of step 3 is replaced by another valid one
+    (a node that rejoined with another job's step 3, say): each rank's own objects still check against its
+    own node's record, but the nodes disagree on what step 3 is, so every rank takes step 2, bit-exact."""
+    from ml_flashpoint_nemo.core.versions import write_commit
+
+    bases = bases_for(shm_dir, 2)
+    outputs = run("replicate", 2, bases=bases, ranks_per_node=1, steps=[1, 2, 3], keep=2)
+    assert all("2, 3]" in out for out in outputs), outputs  # committed and kept
+    layout = CheckpointLayout(bases[1])
+    commit = read_commit(layout, 3)
+    write_commit(layout, 3, commit.objects, world_size=commit.world_size,
+                 metadata={**commit.metadata, "note": "another job's step 3"})
+    outputs = run("restart_load", 2, bases=bases, ranks_per_node=1)
+    assert all("CHOSEN 2" in out and "LOADED 2 OK" in out for out in outputs), outputs
+    assert "the nodes hold different commit records for step 3" in outputs[0], outputs[0]
+
+
 def weight_offset(base: str, step: int, rank: int = 1) -> int:
     """Where rank's layer.weight data starts in its object of step."""
     record = next(o for o in read_commit(CheckpointLayout(base), step).objects if o.name == object_name(rank))

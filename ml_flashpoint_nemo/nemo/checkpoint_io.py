@@ -32,7 +32,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyPara
 from nemo.lightning.io.pl import MegatronCheckpointIO
 from nemo.utils.callbacks.dist_ckpt_io import AsyncFinalizableCheckpointIO
 
-from ml_flashpoint_nemo.core import lifecycle
+from ml_flashpoint_nemo.core import lifecycle, remote_objects
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.space import check_room_on_every_rank
 from ml_flashpoint_nemo.core.sync_manager import SyncManagerFuture
@@ -137,13 +137,16 @@ class FlashpointCheckpointIO(AsyncFinalizableCheckpointIO):
         if not self.is_ram_path(path):
             return self.checkpoint_io.load_checkpoint(path, *args, **kwargs)
         # A RAM version's metadata.json names the flashpoint load strategy, which Megatron picks.
-        # Every rank reads all it needs from its own node's tmpfs (recovery put every object there):
-        # NeMo's parallel load (ckpt_parallel_load, on by default) would read a part on each rank and
-        # send the rest over the process group, far slower than a local copy.
+        # After a restart on several nodes each node holds its own ranks' objects and fetches any
+        # other it reads (core.remote_objects): with parallel saves, which spread the replicated
+        # tensors over the data-parallel ranks, NeMo's parallel load makes each rank read the part
+        # it saved and receive the rest over the process group, instead of every node fetching
+        # almost every object. Otherwise every object a rank reads is on its node, and a local copy
+        # is faster than that exchange.
         inner = innermost_checkpoint_io(self.checkpoint_io)
         assert isinstance(inner, MegatronCheckpointIO), "checked when this IO was made"
         parallel_load = getattr(inner, "parallel_load", False)
-        inner.parallel_load = False
+        inner.parallel_load = self.settings.parallel_save and remote_objects.fetching(self.layout.base_dir)
         try:
             return inner.load_checkpoint(path, *args, **kwargs)
         finally:
