@@ -119,6 +119,28 @@ def test_pruning_with_no_spare_budget_deletes_and_trims_spares(shm_dir):
     assert not layout.version_dir(1).exists()
 
 
+def test_a_load_that_needs_an_object_no_reachable_node_holds_fails_with_peer_fetch_error(shm_dir):
+    """Rank 0 of 2 nodes reads rank 1's object, absent here: with the recovery's servers stopped, or with no
+    node left that could send it, the load fails with PeerFetchError (not as corruption), nothing written."""
+    from ml_flashpoint_nemo.core.format import ObjectRecord
+    from ml_flashpoint_nemo.errors import CorruptCheckpointError, PeerFetchError
+    from ml_flashpoint_nemo.replication.own_objects import RecoverySession
+    from ml_flashpoint_nemo.replication.service import PeerEndpoints, ReplicationConfig
+
+    base = shm_dir / "node-0"
+    (base / "step-3").mkdir(parents=True)
+    session = RecoverySession(base, NodeTopology((0, 1), rank=0), ReplicationConfig())
+    record = ObjectRecord(object_name(1), rank=1, nbytes=4096, crc32c=0)
+    with pytest.raises(PeerFetchError, match="transfer servers have stopped") as stopped:
+        session.fetch_for_load(3, record)
+    assert not isinstance(stopped.value, CorruptCheckpointError)
+    session.endpoints = PeerEndpoints(None, b"s" * 32, [None, None], rank=0)  # rank 1's server never started
+    with pytest.raises(PeerFetchError, match="no other node holds a copy"):
+        session.fetch_for_load(3, record)
+    assert sorted(p.name for p in (base / "step-3").iterdir()) == []
+    session.fetch_for_load(3, ObjectRecord(object_name(0), rank=0, nbytes=4096, crc32c=0))  # its own: checked before
+
+
 # --- multi-process ------------------------------------------------------------------------------
 
 
@@ -186,7 +208,12 @@ def test_restart_fetches_only_what_each_node_reads(shm_dir):
     outputs = run("replicate", world, bases=bases, ranks_per_node=per_node, steps=[1, 2, 3])
     assert all(s.endswith("replicated failed=[]") for s in statuses(outputs, 3)), outputs
     rank_0 = "step-3/" + object_name(0)
-    lines = fetch_lines(run("restart_counting_fetches", world, bases=bases, ranks_per_node=per_node))
+    outputs = run("restart_counting_fetches", world, bases=bases, ranks_per_node=per_node)
+    # Rank 0's object, which every load reads: checked in full once on each node holding it (node 0 for rank 1,
+    # node 1 for one of ranks 2 and 3: the other finds the note of that check), fetched (and so checked) elsewhere.
+    checks = [int(re.search(r"^RANK \d+ LOAD CHECKS (\d+)$", out, re.M).group(1)) for out in outputs]
+    assert [checks[2 * n] + checks[2 * n + 1] for n in range(4)] == [1, 1, 0, 0], checks
+    lines = fetch_lines(outputs)
     assert lines == {0: "CHOSEN 3 CHOICE FETCHED [] LOAD FETCHED []",
                      1: "CHOSEN 3 CHOICE FETCHED [] LOAD FETCHED []",
                      2: f"CHOSEN 3 CHOICE FETCHED [] LOAD FETCHED ['{rank_0}']",

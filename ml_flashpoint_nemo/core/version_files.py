@@ -93,9 +93,12 @@ def check_version_files(layout: CheckpointLayout, commit: CommitRecord) -> int:
     return len(listed)
 
 
-def version_copy(layout: CheckpointLayout, commit: CommitRecord) -> dict[str, bytes]:
-    """What another node needs to hold this version's files: each listed file and the commit record, checked."""
-    files = {name: read_checked_file(layout, commit, name) for name in commit.metadata.get(FILES_KEY) or {}}
+def version_copy(layout: CheckpointLayout, commit: CommitRecord,
+                 names: Iterable[str] | None = None) -> dict[str, bytes]:
+    """What another node needs to hold this version's files: each listed file (or those of `names` among
+    them, which the other node lacks) and the commit record, checked."""
+    listed = commit.metadata.get(FILES_KEY) or {}
+    files = {name: read_checked_file(layout, commit, name) for name in listed if names is None or name in names}
     files[COMMIT_NAME] = layout.commit_path(commit.step).read_bytes()
     return files
 

@@ -407,32 +407,13 @@ class _NodeCopies:
         """After the coordinator committed: the other nodes' leaders write the version's files; errors reach all."""
         if self.group is None:
             return
-        rank = dist.get_rank()
         is_copier = self.topology.is_leader and self.topology.node != self.topology.node_of_rank[0]
-        error: str | None = None
-        missed = False
-        if rank == 0 or is_copier:
-            box: list[Any] = [None]
-            if rank == 0:
-                try:
-                    box[0] = self._files_to_send(layout, step, resend=False)
-                except Exception as exc:  # noqa: BLE001 - the leaders still need the broadcast to end
-                    box[0] = error = f"rank 0 reading step {step}: {type(exc).__name__}: {exc}"
-            dist.broadcast_object_list(box, src=0, group=self.group)
-            if is_copier and isinstance(box[0], dict):
-                missed, error = self._write_copy(layout, step, box[0])
+        in_group = dist.get_rank() == 0 or is_copier
+        missed, error = self._broadcast(layout, step, resend=False, write=is_copier) if in_group else (False, None)
         (any_missed,) = reduced_ints([int(missed)])
-        if any_missed:  # some leader lacks a file it was told to reuse: every leader joins one more broadcast
-            if rank == 0 or is_copier:
-                box = [None]
-                if rank == 0:
-                    try:
-                        box[0] = self._files_to_send(layout, step, resend=True)
-                    except Exception as exc:  # noqa: BLE001 - the leaders still need the broadcast to end
-                        box[0] = error = f"rank 0 reading step {step}: {type(exc).__name__}: {exc}"
-                dist.broadcast_object_list(box, src=0, group=self.group)
-                if missed and isinstance(box[0], dict):
-                    _, error = self._write_copy(layout, step, box[0])
+        if any_missed and in_group:  # some leader lacks a file it was told to reuse: every leader joins once more
+            _, again = self._broadcast(layout, step, resend=True, write=missed)
+            error = error or again  # a leader that failed in the first broadcast stays failed
         failed = problems_of_every_rank(error)
         if failed:
             self._sent.clear()  # the next save sends every file again
@@ -440,17 +421,31 @@ class _NodeCopies:
                 f"step {step} is committed on the coordinator's node but not on every node: " + "; ".join(failed)
             )
 
+    def _broadcast(self, layout: CheckpointLayout, step: int, *, resend: bool, write: bool) -> tuple[bool, str | None]:
+        """One broadcast of the version's files in the leaders' group; this rank's (missed a file, error)."""
+        box: list[Any] = [None]
+        error = None
+        if dist.get_rank() == 0:
+            try:
+                box[0] = self._files_to_send(layout, step, resend=resend)
+            except Exception as exc:  # noqa: BLE001 - the leaders still need the broadcast to end
+                box[0] = error = f"rank 0 reading step {step}: {type(exc).__name__}: {exc}"
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        if write and isinstance(box[0], dict):
+            return self._write_copy(layout, step, box[0])
+        return False, error
+
     def _files_to_send(self, layout: CheckpointLayout, step: int, *, resend: bool) -> dict[str, Any]:
         """Rank 0: each file's bytes, or (step, None) for a file the leaders hold unchanged in that step's copy."""
         commit = read_commit(layout, step)
-        files: dict[str, Any] = version_copy(layout, commit)
-        described = commit.metadata.get(FILES_KEY) or {}
-        for name, description in described.items():
+        reused: dict[str, Any] = {}
+        for name, description in (commit.metadata.get(FILES_KEY) or {}).items():
             sent = self._sent.get(name)
             if not resend and sent is not None and sent[1] == description and sent[0] != step:
-                files[name] = (sent[0], None)
+                reused[name] = (sent[0], None)
             self._sent[name] = (step, description)  # the leaders hold it with this step next (else it is cleared)
-        return files
+        sent_now = [name for name in commit.metadata.get(FILES_KEY) or {} if name not in reused]
+        return {**version_copy(layout, commit, sent_now), **reused}  # unchanged files are not even read
 
     def _write_copy(self, layout: CheckpointLayout, step: int, files: dict[str, Any]) -> tuple[bool, str | None]:
         """A leader: write the version's files, reusing those it already holds; (missed one, error).

@@ -78,19 +78,25 @@ class RecoverySession:
         return self.endpoints
 
     def fetch_for_load(self, step: int, record: ObjectRecord) -> None:
-        """core.remote_objects' fetcher: another rank's object, checked once here, else fetched from its holders.
+        """core.remote_objects' fetcher: another rank's object, checked once on this node, else fetched.
 
         Under a lock per node (the ranks of a node share its files): the first rank checks a
-        present copy (a replica or an earlier fetch) or fetches it, and the others find it done.
+        present copy (a replica or an earlier fetch) in full or fetches it, and notes the file
+        it vouches for (device, inode, size, mtime) in the lock file; the node's other ranks find
+        that note and neither read nor fetch it again.
         """
         if record.rank == self.topology.rank or (step, record.name) in self._checked:
             return  # this rank's own objects were checked by the choice
         layout = CheckpointLayout(self.base_dir)
         path = layout.object_path(step, record.name)
-        with _node_lock(layout):
+        with _node_lock(layout) as notes:
             if path.is_file():
+                if _identity(step, path) in _read_notes(notes):
+                    self._checked.add((step, record.name))
+                    return
                 try:
                     verify_object_file(path, record, default_copy_threads())
+                    _note(notes, _identity(step, path))
                     self._checked.add((step, record.name))
                     return
                 except CorruptCheckpointError as exc:
@@ -100,11 +106,12 @@ class RecoverySession:
             endpoints = self.endpoints
             if endpoints is None:
                 raise PeerFetchError(f"{record.name} of step {step} is not on this node and the recovery's "
-                                         "transfer servers have stopped; load the version the restart chose")
+                                     "transfer servers have stopped; load the version the restart chose")
             failure = _fetch(layout, step, record, self._sources(record.rank, endpoints), endpoints, self.config)
             if failure:
                 raise PeerFetchError(f"{record.name} of step {step}, which this load reads, could not be "
-                                         f"fetched from a node that holds it: {failure}")
+                                     f"fetched from a node that holds it: {failure}")
+            _note(notes, _identity(step, path))  # verified against its commit record by the fetch
             self._checked.add((step, record.name))
 
     def _sources(self, saving_rank: int, endpoints: PeerEndpoints) -> list[int]:
@@ -148,14 +155,38 @@ def _own_sources(topology: NodeTopology, factor: int) -> list[int]:
 
 
 @contextlib.contextmanager
-def _node_lock(layout: CheckpointLayout) -> Iterator[None]:
-    """Exclusive among the processes sharing this node's base directory (flock on a file there)."""
+def _node_lock(layout: CheckpointLayout) -> Iterator[int]:
+    """Exclusive among the processes sharing this node's base directory (flock on a file there); yields its fd.
+
+    The file also holds the notes of the objects a rank of the node checked for a load (_note).
+    """
     fd = os.open(os.path.join(layout.base_dir, FETCH_LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        yield fd
     finally:
         os.close(fd)  # releases the lock
+
+
+_NOTES_LIMIT = 1 << 20  # the notes are ~100 B per object read from elsewhere; past this they start over
+
+
+def _identity(step: int, path: os.PathLike[str] | str) -> str:
+    """The file a check vouched for: step, name, device, inode, size and modification time."""
+    info = os.stat(path)
+    return f"{step} {os.path.basename(path)} {info.st_dev} {info.st_ino} {info.st_size} {info.st_mtime_ns}"
+
+
+def _read_notes(fd: int) -> set[str]:
+    size = os.fstat(fd).st_size
+    if size > _NOTES_LIMIT:  # written only by this node's ranks; bounded all the same
+        os.ftruncate(fd, 0)
+        return set()
+    return set(os.pread(fd, size, 0).decode("utf-8", "replace").splitlines())
+
+
+def _note(fd: int, identity: str) -> None:
+    os.pwrite(fd, (identity + "\n").encode(), os.fstat(fd).st_size)
 
 
 def _fetch(layout: CheckpointLayout, step: int, record: ObjectRecord, sources: list[int], endpoints: PeerEndpoints,

@@ -113,7 +113,18 @@ def restart_counting_fetches(p: dict[str, Any]) -> None:
     step = choose_version(str(base)).step
     dist.barrier()
     chosen = _version_files_here(base)
+    from ml_flashpoint_nemo.replication import own_objects
+
+    checks = []
+    verify = own_objects.verify_object_file
+
+    def counted(*args: Any, **kwargs: Any) -> Any:  # the load's full checks of other ranks' objects
+        checks.append(args[0])
+        return verify(*args, **kwargs)
+
+    own_objects.verify_object_file = counted
     check_loaded(load(dict(p, base=str(base)), step), step)
+    print(f"RANK {dist.get_rank()} LOAD CHECKS {len(checks)}", flush=True)
     dist.barrier()
     loaded = _version_files_here(base)
     if dist.get_rank() % p["ranks_per_node"] == 0:
