@@ -79,3 +79,24 @@ def test_bench_scale_measures_saves_recoveries_and_a_bit_exact_load(shm_dir: Pat
     assert {m["window"] for m in data["modelled"]["assumed"]} >= {"save (steady)", "recovery (lost)"}
     assert not any(shm_dir.iterdir()), "the harness left its temporary directory behind"
     assert not leftover_ranks(report), "rank processes outlived the harness"
+
+
+def test_what_a_rank_receives_per_save_does_not_grow_with_the_ranks(shm_dir: Path, tmp_path: Path):
+    """4 and 8 ranks on 2 and 4 nodes (k=2, more nodes than replicas), counted per rank by the harness: per steady
+    save a rank that is neither the coordinator nor a node leader receives the same few fixed-size all-reduces at
+    both sizes; a leader also receives the commit record (~70-100 B more per saved object); only rank 0 gets every
+    rank's write records."""
+    report = tmp_path / "flat.json"
+    command = [sys.executable, "benchmarks/bench_scale.py", "--ranks", "4,8", "--ranks-per-node", "2", "--tensors",
+               "64", "--saves", "2", "--timeout", "150", "--root", str(shm_dir), "--json", str(report)]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=170)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-6000:]
+    received: dict[int, list[int]] = {}
+    for point in json.loads(report.read_text())["raw"]:
+        steady = [r["saves"][1] for r in sorted(point["save"], key=lambda r: r["rank"])]
+        received[point["ranks"]] = [s["blocking"]["received"] + s["commit"]["received"] for s in steady]
+    plain = {n: {b for r, b in enumerate(per_rank) if r % 2 == 1} for n, per_rank in received.items()}
+    leaders = {n: {b for r, b in enumerate(per_rank) if r % 2 == 0 and r > 0} for n, per_rank in received.items()}
+    assert plain[4] == plain[8] and len(plain[8]) == 1 and max(plain[8]) <= 256, received
+    assert len(leaders[8]) == 1 and 0 < max(leaders[8]) - max(leaders[4]) <= 4 * 150, received
+    assert received[8][0] > received[4][0] > max(leaders[8]), received  # the coordinator: O(N T), allowed
