@@ -84,8 +84,8 @@ def test_bench_scale_measures_saves_recoveries_and_a_bit_exact_load(shm_dir: Pat
 def test_what_a_rank_receives_per_save_does_not_grow_with_the_ranks(shm_dir: Path, tmp_path: Path):
     """4 and 8 ranks on 2 and 4 nodes (k=2, more nodes than replicas), counted per rank by the harness: per steady
     save a rank that is neither the coordinator nor a node leader receives the same few fixed-size all-reduces at
-    both sizes; a leader also receives the commit record (~70-100 B more per saved object); only rank 0 gets every
-    rank's write records."""
+    both sizes; a leader also receives the commit record (~70-100 B more per saved object); rank 0 gets every rank's
+    object record, not its write records: O(N) bytes, not O(N*T) (64 tensors: ~5 KB more per rank before)."""
     report = tmp_path / "flat.json"
     command = [sys.executable, "benchmarks/bench_scale.py", "--ranks", "4,8", "--ranks-per-node", "2", "--tensors",
                "64", "--saves", "2", "--timeout", "150", "--root", str(shm_dir), "--json", str(report)]
@@ -99,4 +99,4 @@ def test_what_a_rank_receives_per_save_does_not_grow_with_the_ranks(shm_dir: Pat
     leaders = {n: {b for r, b in enumerate(per_rank) if r % 2 == 0 and r > 0} for n, per_rank in received.items()}
     assert plain[4] == plain[8] and len(plain[8]) == 1 and max(plain[8]) <= 256, received
     assert len(leaders[8]) == 1 and 0 < max(leaders[8]) - max(leaders[4]) <= 4 * 150, received
-    assert received[8][0] > received[4][0] > max(leaders[8]), received  # the coordinator: O(N T), allowed
+    assert 0 < received[8][0] - received[4][0] <= 4 * 200, received  # the coordinator: ~150 B per rank

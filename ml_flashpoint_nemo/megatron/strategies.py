@@ -97,6 +97,7 @@ from ml_flashpoint_nemo.dcp.writer import (
     write_results,
 )
 from ml_flashpoint_nemo.errors import CorruptCheckpointError, FlashpointError, ManagerStartError
+from ml_flashpoint_nemo.megatron.coordinator_items import CoordinatorItems, compact_report
 from ml_flashpoint_nemo.megatron.worker_reports import WorkerReports
 
 if TYPE_CHECKING:  # the service is imported at the first save (it loads the transfer machinery)
@@ -214,6 +215,7 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         self._signature: int | None = None
         self._cached_plans: tuple[SavePlan, SavePlan, bool] | None = None  # (central, local, validated)
         self._cached_metadata: Metadata | None = None
+        self._coordinator_items = CoordinatorItems()  # rank 0's: every rank's items under the current plan
         self._nodes: _NodeCopies | None = None
         self._close_lock = threading.Lock()
         self._base_dirs: set[Path] = set()  # whose buffer pools this strategy's saves opened in this process
@@ -240,6 +242,8 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
             flag = _SAVE_CANNOT_START
         else:
             changed = self._cached_plans is None or signature != self._signature
+            # rank 0 needs every rank's items of the plan before ranks may report their object alone
+            changed = changed or (dist.get_rank() == 0 and not self._coordinator_items.known())
             self._signature = signature
             flag = int(changed)
         highest = highest_of_every_rank(flag)
@@ -276,6 +280,9 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         writer = self._writer_or_problem(checkpoint_dir)
         reuse_plan = self._structure_unchanged_on_every_rank(sharded_state_dict, writer, checkpoint_dir)
         assert isinstance(writer, _StagingWriter), "a problem was raised on every rank above"
+        if not reuse_plan:
+            self._coordinator_items.new_plan()
+        plan, items = self._coordinator_items.plan, self._coordinator_items
         self._base_dirs.add(writer.layout.base_dir)
         if not reuse_plan or self._nodes is None:
             self._nodes = _NodeCopies.discover(writer.layout.base_dir, self._nodes)
@@ -300,7 +307,7 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
             global_metadata = self._cached_metadata  # the coordinator's, from the planning save
 
         def finalize() -> None:
-            _finalize_save(writer, global_metadata, reports)
+            _finalize_save(writer, global_metadata, reports, items, compact=reuse_plan, plan=plan)
             nodes.copy_version_to_every_node(writer.layout, writer.step)
             replication.replicate(writer.step)  # in the background, never blocks training
 
@@ -469,11 +476,13 @@ class _NodeCopies:
             return False, f"rank {dist.get_rank()} (node {self.topology.node}): {type(exc).__name__}: {exc}"
 
 
-def _finalize_save(writer: _StagingWriter, global_metadata: Metadata | None, reports: WorkerReports) -> None:
+def _finalize_save(writer: _StagingWriter, global_metadata: Metadata | None, reports: WorkerReports,
+                   items: CoordinatorItems, *, compact: bool, plan: int) -> None:
     """Every rank: place its object; coordinator: commit. Any rank's failure is raised on every rank.
 
     The write records go to the coordinator alone (gathered_on_coordinator): every other rank
-    receives two small all-reduces, whatever the number of ranks and tensors.
+    receives two small all-reduces, whatever the number of ranks and tensors. Under a reused plan
+    (compact) each rank sends its object's record alone, and rank 0 receives O(N), not O(N*T).
     """
     error: str | None = None
     results: list[WriteResult] = []
@@ -485,14 +494,14 @@ def _finalize_save(writer: _StagingWriter, global_metadata: Metadata | None, rep
     except Exception as exc:  # noqa: BLE001 - reported to every rank below
         writer.abandon()
         error = f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"
-    errors, gathered = gathered_on_coordinator(results, error)
+    errors, gathered = gathered_on_coordinator(compact_report(results) if compact else results, error)
     commit_error: str | None = None
     if not errors and dist.get_rank() == 0:  # the coordinator, with every rank's records (None: it could not)
         try:
             if gathered is None:
                 raise FlashpointError("rank 0 could not receive every rank's write records (see its log)")
             assert global_metadata is not None
-            writer.finish(global_metadata, gathered)
+            writer.finish(global_metadata, items.full_results(gathered, compact=compact, plan=plan))
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             commit_error = f"rank 0 commit: {type(exc).__name__}: {exc}"
     if not errors:
