@@ -361,6 +361,8 @@ def test_unreachable_peer_leaves_version_under_replicated_then_older_version_is_
     outputs = run("restart_load", 4, bases=bases, ranks_per_node=1)
     assert all("CHOSEN 2" in out and "LOADED 2 OK" in out for out in outputs), outputs
     assert "step 4 is not used" in outputs[0] and "every copy was lost" in outputs[0], outputs[0]
+    # every rank holds the same reasons; rank 0 alone logs them (not N copies of an O(N) line)
+    assert not any("is not used" in out or "Resuming from" in out for out in outputs[1:]), outputs[1]
 
 
 # --- network namespaces: every node its own address -------------------------------------------------

@@ -207,6 +207,9 @@ def _choose_with_every_object_on_every_node(base_dir: str | os.PathLike[str], *,
 
 
 def _log_skipped(skipped: dict[int, list[str]], chosen: int | None) -> None:
+    """Rank 0 logs the choice: every rank holds the same reasons (gathered from every rank), so N copies say nothing more."""
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
     for step, reasons in sorted(skipped.items(), reverse=True):
         logger.warning("RAM checkpoint step %d is not used: %s", step, "; ".join(reasons))
     if chosen is None and skipped:
