@@ -5,7 +5,7 @@ Each run is real 2-rank training (gloo) with flashpoint saves and replication, o
 a random time; a flipped bit in an object, a commit record or a version file; a wiped node; a full
 tmpfs; a Manager that cannot start) and a recovery run checked against the SHA-256 of the state
 saved at the resumed step and against an uninterrupted reference. docs/reliability.md shows a 100-run
-campaign of every kind; here four kinds run once each to keep CI short.
+campaign of every kind; here two kinds run once each to keep CI short.
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ from launch import StartupTimeoutError, launch_ranks  # noqa: E402
 
 SLOW_START_RANK = str(REPO / "tests" / "support" / "slow_start_rank.py")
 
-# Four kinds per CI run (~30 s each on 2 cores): a kill at the commit, of the receiving peer, a flipped bit in an
-# object, a Manager that cannot start. SIGKILLs mid-write and corrupt commit records are also covered by
-# test_crash_recovery.py and the format tests; every kind runs in the campaign command (docs/reliability.md).
-CI_KINDS = ("kill_commit", "kill_peer", "flip_object", "manager_fail")
+# Two kinds per CI run (~30 s each on 2 cores): a kill at the commit and a flipped bit in an object. The others are
+# covered on their own elsewhere too: SIGKILLs mid-write (test_crash_recovery.py), corrupt commit records (the format
+# tests), a peer killed during a transfer (test_transfer_service.py), a Manager that cannot start
+# (test_manager.py, test_megatron.py); every kind runs in the campaign command (docs/reliability.md).
+CI_KINDS = ("kill_commit", "flip_object")
 
 
 def test_every_fault_kind_recovers_without_wrong_load_or_hang():
@@ -53,7 +54,6 @@ def test_every_fault_kind_recovers_without_wrong_load_or_hang():
     assert summary["recovered_newest"] + summary["fell_back"] == ran, summary
     # faults that leave the newest committed version intact must recover it, not an older one
     assert summary["by_kind"]["kill_commit"] == {"recovered_newest": 1}, summary["by_kind"]
-    assert summary["by_kind"]["manager_fail"] == {"fell_back": 1}, summary["by_kind"]  # no RAM version exists
 
 
 # --- start-up is bounded on its own (issue 16 §3): a slow start is no hang, a hang after it still is ----

@@ -50,10 +50,11 @@ def test_wheel_builds_installs_and_imports_outside_the_source_tree(tmp_path):
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
     env["CMAKE_BUILD_PARALLEL_LEVEL"] = str(os.cpu_count() or 1)
-    # A private build directory: the repository's build/ (used by the editable install) stays untouched.
+    # A private build directory: the repository's build/ (used by the editable install) stays untouched. The build
+    # requirements are the pinned ones set-up installed (pyproject's dev extra), so no isolated environment is made.
     run(
         [
-            sys.executable, "-m", "pip", "wheel", "--no-deps", "--disable-pip-version-check",
+            sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--disable-pip-version-check",
             "-w", str(wheelhouse),
             f"--config-settings=build-dir={tmp_path / 'build'}",
             str(REPO_ROOT),
@@ -76,10 +77,11 @@ def test_wheel_builds_installs_and_imports_outside_the_source_tree(tmp_path):
     assert "Requires-Dist: torch" in metadata
 
     venv = tmp_path / "venv"
-    run([sys.executable, "-m", "venv", str(venv)], env=env, timeout=300)
+    run([sys.executable, "-m", "venv", "--without-pip", str(venv)], env=env, timeout=300)
     python = venv / "bin" / "python"
-    run(
-        [str(python), "-m", "pip", "install", "--no-deps", "--no-index", "--disable-pip-version-check", str(wheel)],
+    run(  # this interpreter's pip installs into the new environment: no pip of its own is needed there
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index",
+         "--disable-pip-version-check", str(wheel)],
         env=env,
         timeout=300,
     )
