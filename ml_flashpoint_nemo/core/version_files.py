@@ -107,7 +107,7 @@ def reusable_version_file(layout: CheckpointLayout, from_step: int, name: str, c
     """The bytes of file `name` of version from_step on this node, if they are what `commit` lists; else None.
 
     A node leader receives a file that repeats from save to save (DCP's `.metadata`) once, and
-    takes it from its previous version afterwards (megatron.strategies._NodeCopies).
+    takes it from its previous version afterwards (core.node_copies.NodeCopies).
     """
     if os.sep in name or name in ("", ".", ".."):
         return None

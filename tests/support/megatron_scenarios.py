@@ -493,17 +493,17 @@ def version_files_sent_once(p: dict[str, Any]) -> None:
     damage: before the third save, node 1's copy of step 2's `.metadata` is "deleted" or "flipped",
     so that node 1 must get it sent again in the second broadcast.
     """
-    from ml_flashpoint_nemo.megatron import strategies
+    from ml_flashpoint_nemo.core import node_copies
 
     received: list[tuple[int, list[str], list[str]]] = []
-    write_copy = strategies._NodeCopies._write_copy
+    write_copy = node_copies.NodeCopies._write_copy
 
     def recording(self: Any, layout: Any, step: int, files: dict[str, Any]) -> Any:
         received.append((step, sorted(n for n, c in files.items() if isinstance(c, bytes)),
                          sorted(n for n, c in files.items() if isinstance(c, tuple))))
         return write_copy(self, layout, step, files)
 
-    strategies._NodeCopies._write_copy = recording
+    node_copies.NodeCopies._write_copy = recording
     strategy = save_strategy(p)
     base = node_base(p)
     for step in (1, 2, 3):
