@@ -124,13 +124,15 @@ def push(client: Path, port: int, name: str, nbytes: int = 64 * KiB, **kwargs) -
     return data, time.monotonic() - t0
 
 
-@pytest.mark.parametrize("idle", [20, 40])
-def test_idle_authenticated_connections_of_a_member_do_not_deny_pushes(dirs, idle):
+@pytest.mark.parametrize("idle, source", [(20, MEMBER), (40, MEMBER), (40, HOST)],
+                         ids=["20-from-another-node", "40-from-another-node", "40-from-the-pushers-node"])
+def test_idle_authenticated_connections_of_a_member_do_not_deny_pushes(dirs, idle, source):
     """Before: 0 of 70 pushes in 40 s. Now each push is served within seconds, the idle connections
-    never reach a worker (closed at request_timeout_s in the admission stage) and none is refused busy."""
+    never reach a worker (closed at request_timeout_s in the admission stage, or displaced by newer
+    connections of their address) and none is refused busy."""
     base, client = dirs
     with _core.TransferServer(base, SECRET, io_timeout_s=30.0, request_timeout_s=0.5) as srv:
-        with IdleMembers(srv.port, MEMBER, rank=1, count=idle) as members:
+        with IdleMembers(srv.port, source, rank=1, count=idle) as members:
             wait_for(srv, "the idle connections", lambda s: s["handshakes_ok"] >= min(idle, 32))
             durations = []
             for i in range(8):
