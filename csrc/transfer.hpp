@@ -11,8 +11,9 @@
 // holds one, so its tmpfs pages are reused), checks length and CRC32C, fsyncs and only then
 // renames it into place. The wire format is described in docs/protocol.md; every length field
 // is bounded and every wait has a timeout. Connections are admitted by one thread that checks the
-// peer's address and runs the handshake (transfer_admission.hpp); only authenticated connections
-// reach the worker threads (docs/security.md, "Availability").
+// peer's address, runs the handshake and receives the request with its tag checked
+// (transfer_admission.hpp); only authentic requests reach the worker threads, within caps per
+// rank and a deadline in the queue (docs/security.md, "Availability").
 #pragma once
 
 #include <atomic>
@@ -124,6 +125,10 @@ struct TransferOptions {
   bool has_known_crc = false;
   uint32_t known_crc = 0;
   std::string spare_dir;  // fetch: spare files to receive into, relative to the local base dir
+  // Fetch: bytes the reception must leave free on the local file system for this node's own saves
+  // (as the server's space_margin_bytes); negative: 1/32 of the file system. TransferNoSpaceError
+  // before the data flows when the object does not fit.
+  int64_t space_margin_bytes = -1;
   uint32_t rank = 0;       // the rank this side proves in the handshake
   uint32_t peer_rank = 0;  // the rank the server must prove (the one the caller means to reach)
   // Once the data flows, the transfer must average at least min_rate_bytes_per_s after its
@@ -159,13 +164,20 @@ struct TransferServerConfig {
   std::string secret;
   std::string host = "127.0.0.1";
   int port = 0;
-  int max_connections = 4;       // worker threads; authenticated connections beyond them wait in a bounded queue
-  int max_pending = 0;           // queued connections beyond the workers (0: 4 * max_connections)
+  int max_connections = 4;       // worker threads; authenticated requests beyond them wait in a bounded queue
+  int max_pending = 0;           // queued requests beyond the workers (0: 4 * max_connections)
   double io_timeout_s = 30.0;
-  // Admission (transfer_admission.hpp): handshakes run in the accept thread, never on a worker.
+  // Admission (transfer_admission.hpp): handshakes and requests are received in the accept
+  // thread, never on a worker.
   double handshake_timeout_s = 5.0;   // from accept() to the client's proof checked
-  int max_handshakes = 64;            // connections in the handshake stage at once
-  int max_connections_per_peer = 32;  // per peer address, handshaking, queued or served
+  double request_timeout_s = 2.0;     // from the proof checked to the whole request received
+  int max_handshakes = 64;            // connections in the admission stage at once
+  int max_connections_per_peer = 32;  // per peer address, in the stage, queued or served
+  // Per authenticated rank: requests waiting in the queue at once (more are closed unserved);
+  // besides, at most max_connections - 1 (at least 1) of a rank's requests are served at once, so
+  // one rank never holds every worker nor the queue. 0: max(1, min(4, max_pending / 4)).
+  int max_queued_per_rank = 0;
+  double queue_timeout_s = 10.0;  // a request queued longer is closed unserved (its client retries)
   // Peer addresses allowed to connect (numeric IPv4/IPv6); others are closed at accept(), before
   // a byte is read or written. allow_any_peer: every address (the list is ignored).
   bool allow_any_peer = true;
@@ -226,6 +238,11 @@ class TransferServer {
   void refuse(const Connection& c, uint32_t status, const std::string& message);
   void record_error(const std::string& message);
   bool hand_over(xfer::Admitted& admitted);
+  // Under queue_mutex_: moves the queued requests older than queue_timeout_s to expired.
+  void take_expired(std::vector<std::unique_ptr<xfer::Admitted>>* expired);
+  // Under queue_mutex_: the oldest queued request whose rank may take another worker, or null.
+  std::unique_ptr<xfer::Admitted> next_request();
+  void close_expired(std::vector<std::unique_ptr<xfer::Admitted>>& expired);
   void start_rate_floor(xfer::Channel& ch) const;
 
   TransferServerConfig config_;
@@ -239,6 +256,9 @@ class TransferServer {
   std::mutex queue_mutex_;
   std::condition_variable queue_cv_;
   std::deque<std::unique_ptr<xfer::Admitted>> queue_;
+  std::map<uint32_t, int> rank_queued_;   // per rank: requests in the queue
+  std::map<uint32_t, int> rank_served_;   // per rank: requests being served
+  int max_served_per_rank_ = 1;
   bool stopping_ = false;
 
   std::unique_ptr<xfer::ErrorLog> errors_;
@@ -249,7 +269,7 @@ class TransferServer {
   std::unique_ptr<SpaceLedger> space_;
   std::unique_ptr<ExpectedSizes> expected_;
 
-  std::atomic<uint64_t> rejected_busy_{0}, protocol_failures_{0}, integrity_failures_{0},
+  std::atomic<uint64_t> rejected_busy_{0}, rejected_rank_cap_{0}, queue_timeouts_{0}, protocol_failures_{0}, integrity_failures_{0},
       pushes_ok_{0}, fetches_ok_{0}, transfer_failures_{0}, bytes_received_{0}, bytes_sent_{0}, spares_taken_{0},
       mappings_reused_{0}, temp_files_swept_{0}, forbidden_{0}, no_space_{0}, too_slow_{0};
 };

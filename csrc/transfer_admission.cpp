@@ -16,6 +16,7 @@ constexpr int kAcceptBatch = 64;      // accepts per loop turn, so handshakes in
 constexpr int kEvents = 64;
 constexpr auto kTick = std::chrono::seconds(1);
 constexpr auto kAcceptPause = std::chrono::milliseconds(100);  // after EMFILE and friends
+constexpr auto kDrainTime = std::chrono::milliseconds(200);    // reading after an answer, before the close
 
 std::string seconds_text(double s) {
   char buf[32];
@@ -89,15 +90,19 @@ std::string address_text(const PeerAddress& address) {
   return buf;
 }
 
-// One connection in the stage: the bytes of the message being received or sent, and the
-// cryptographic state between the hellos and the proof.
+// One connection in the stage: the bytes of the message being received or sent, the
+// cryptographic state between the hellos and the proof, then the session and the request.
 struct Admission::Handshake {
-  enum Phase { kHello, kReply, kProof, kRefuse };  // kRefuse: telling another version ours, then close
+  // kRefuse: telling another version ours, then close. kRequest: receiving the request's fixed
+  // fields (in) then its path and tag (body). kDrain: answered and shut down, reading what the
+  // peer still sends until it closes or the deadline, so the close does not reset the answer.
+  enum Phase { kHello, kReply, kProof, kRefuse, kRequest, kDrain };
   uint64_t id = 0;
   int fd = -1;
   PeerAddress address;
   std::string peer;
   Clock::time_point deadline;
+  std::multimap<Clock::time_point, uint64_t>::iterator deadline_at;
   Phase phase = kHello;
   bool wants_out = false;  // registered for EPOLLOUT (the server hello did not fit at once)
   uint8_t in[kClientHelloBytes];
@@ -106,6 +111,10 @@ struct Admission::Handshake {
   size_t sent = 0;
   std::string refusal;
   ServerHandshake hs;
+  uint32_t rank = 0;                 // once proved
+  std::unique_ptr<Session> session;  // once proved
+  std::string body;                  // the request's path and tag
+  size_t body_got = 0;
 };
 
 Admission::Admission(int listen_fd, int stop_fd, const std::string& secret, uint32_t server_rank, uint32_t rank_limit,
@@ -153,14 +162,26 @@ void Admission::unuse(const PeerAddress& address, bool was_handshaking) {
 
 void Admission::release(const PeerAddress& address) { unuse(address, false); }
 
-void Admission::drop(Handshakes::iterator it, const std::string& why) {
+void Admission::set_deadline(Handshake& h, Clock::time_point deadline) {
+  if (h.deadline_at != deadlines_.end()) deadlines_.erase(h.deadline_at);
+  h.deadline = deadline;
+  h.deadline_at = deadlines_.emplace(deadline, h.id);
+}
+
+void Admission::forget(Handshakes::iterator it) {
   const int fd = it->fd;
-  log_.record_unauthenticated("peer " + it->peer + ": " + why);
   unuse(it->address, true);
+  deadlines_.erase(it->deadline_at);
   by_id_.erase(it->id);
   handshakes_.erase(it);
   counters_.handshaking.store(handshakes_.size());
-  ::close(fd);  // last, so whoever sees the close sees it logged and counted; also leaves the epoll set
+  ::close(fd);  // last, so whoever sees the close sees it counted; also leaves the epoll set
+}
+
+void Admission::drop(Handshakes::iterator it, const std::string& why) {
+  if (it->session) log_.record("peer " + it->peer + " (rank " + std::to_string(it->rank) + "): " + why);
+  else log_.record_unauthenticated("peer " + it->peer + ": " + why);
+  forget(it);
 }
 
 Admission::Handshakes::iterator Admission::oldest_of(const PeerAddress& address) {
@@ -234,8 +255,7 @@ void Admission::admit(int epoll_fd, int fd, const sockaddr_storage& ss, Clock::t
   h.fd = fd;
   h.address = address;
   h.peer = name;
-  h.deadline = now + std::chrono::duration_cast<Clock::duration>(
-                         std::chrono::duration<double>(limits_.handshake_timeout_s));
+  h.deadline_at = deadlines_.end();
   if (!epoll_watch(epoll_fd, EPOLL_CTL_ADD, fd, h.id, EPOLLIN)) {
     const int err = errno;
     ::close(fd);
@@ -250,6 +270,8 @@ void Admission::admit(int epoll_fd, int fd, const sockaddr_storage& ss, Clock::t
   }
   handshakes_.push_back(std::move(h));
   by_id_[handshakes_.back().id] = std::prev(handshakes_.end());
+  set_deadline(handshakes_.back(), now + std::chrono::duration_cast<Clock::duration>(
+                                              std::chrono::duration<double>(limits_.handshake_timeout_s)));
   counters_.handshaking.store(handshakes_.size());
 }
 
@@ -273,6 +295,55 @@ bool Admission::accept_some(int epoll_fd, Clock::time_point now) {
 
 void Admission::progress(int epoll_fd, Handshakes::iterator it, const std::function<bool(Admitted&)>& hand_over) {
   Handshake& h = *it;
+  if (h.phase == Handshake::kDrain) {
+    char sink[4096];
+    for (;;) {
+      const ssize_t r = ::recv(h.fd, sink, sizeof(sink), 0);
+      if (r > 0) continue;
+      if (r < 0 && errno == EINTR) continue;
+      if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+      forget(it);  // the peer closed (or reset): the answer went out
+      return;
+    }
+  }
+  if (h.phase == Handshake::kRequest) {
+    bool whole = false;
+    try {
+      whole = receive_request(it);
+    } catch (const TransferIntegrityError& e) {
+      refuse_integrity(epoll_fd, it, e.what());
+      return;
+    } catch (const std::exception& e) {
+      counters_.protocol_failures.fetch_add(1);
+      drop(it, std::string("reading the request failed: ") + e.what());
+      return;
+    }
+    if (!whole) return;
+    Admitted admitted;
+    ::epoll_ctl(epoll_fd, EPOLL_CTL_DEL, h.fd, nullptr);  // the worker owns the socket from here on
+    admitted.fd = h.fd;
+    admitted.address = h.address;
+    admitted.peer = h.peer;
+    admitted.rank = h.rank;
+    admitted.session = std::move(h.session);
+    std::memcpy(admitted.request, h.in, kRequestBytes);
+    admitted.path = h.body.substr(0, h.body.size() - kTagBytes);
+    {
+      std::lock_guard<std::mutex> lk(use_mutex_);
+      --use_[h.address].handshaking;  // still open: counted until the worker releases it
+    }
+    deadlines_.erase(h.deadline_at);
+    by_id_.erase(h.id);
+    handshakes_.erase(it);
+    counters_.handshaking.store(handshakes_.size());
+    const PeerAddress address = admitted.address;
+    const int fd = admitted.fd;
+    if (!hand_over(admitted)) {
+      ::close(fd);
+      unuse(address, false);
+    }
+    return;
+  }
   for (;;) {
     if (h.phase == Handshake::kReply || h.phase == Handshake::kRefuse) {
       const ssize_t r = ::send(h.fd, h.out + h.sent, kServerHelloBytes - h.sent, MSG_NOSIGNAL);
@@ -337,10 +408,9 @@ void Admission::progress(int epoll_fd, Handshakes::iterator it, const std::funct
       continue;
     }
 
-    Admitted admitted;
     try {
-      admitted.session = h.hs.finish(secret_, rank_limit_, h.in);
-      admitted.rank = h.hs.client_rank();
+      h.session = h.hs.finish(secret_, rank_limit_, h.in);
+      h.rank = h.hs.client_rank();
     } catch (const TransferAuthError& e) {
       counters_.auth_failures.fetch_add(1);
       drop(it, e.what());
@@ -350,26 +420,108 @@ void Admission::progress(int epoll_fd, Handshakes::iterator it, const std::funct
       drop(it, std::string("handshake failed: ") + e.what());
       return;
     }
-    ::epoll_ctl(epoll_fd, EPOLL_CTL_DEL, h.fd, nullptr);  // the worker owns the socket from here on
-    admitted.fd = h.fd;
-    admitted.address = h.address;
-    admitted.peer = h.peer;
-    {
-      std::lock_guard<std::mutex> lk(use_mutex_);
-      --use_[h.address].handshaking;  // still open: counted until the worker releases it
-    }
-    by_id_.erase(h.id);
-    handshakes_.erase(it);
-    counters_.handshaking.store(handshakes_.size());
     counters_.handshakes_ok.fetch_add(1);
-    const PeerAddress address = admitted.address;
-    const int fd = admitted.fd;
-    if (!hand_over(admitted)) {
-      ::close(fd);
-      unuse(address, false);
-    }
+    // The request follows at once from a real client: it gets request_timeout_s, not more.
+    h.phase = Handshake::kRequest;
+    h.got = 0;
+    set_deadline(h, Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                       std::chrono::duration<double>(limits_.request_timeout_s)));
+    progress(epoll_fd, it, hand_over);  // the request may be there already
     return;
   }
+}
+
+bool Admission::receive_request(Handshakes::iterator it) {
+  Handshake& h = *it;
+  while (h.got < kRequestBytes) {
+    const ssize_t r = ::recv(h.fd, h.in + h.got, kRequestBytes - h.got, 0);
+    if (r == 0) throw TransferError("connection closed by the peer after " + std::to_string(h.got) + " of " +
+                                    std::to_string(kRequestBytes) + " bytes of the request");
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return false;
+      throw TransferError(std::string("receiving the request failed: ") + errno_text(errno));
+    }
+    h.got += static_cast<size_t>(r);
+    if (h.got < kRequestBytes) continue;
+    // The path length only says where the tag is; nothing else of the request is read before the
+    // tag checked out. A length no client sends cannot be authenticated at all.
+    const uint32_t path_len = get_u32(h.in + 4);
+    if (path_len == 0 || path_len > kTransferMaxPathBytes)
+      throw TransferIntegrityError("request with a path length of " + std::to_string(path_len) + " (outside 1.." +
+                                   std::to_string(kTransferMaxPathBytes) +
+                                   "): it cannot be authenticated; the connection was tampered with or corrupted");
+    h.body.assign(path_len + kTagBytes, '\0');
+    h.body_got = 0;
+  }
+  while (h.body_got < h.body.size()) {
+    const ssize_t r = ::recv(h.fd, &h.body[h.body_got], h.body.size() - h.body_got, 0);
+    if (r == 0) throw TransferError("connection closed by the peer after " + std::to_string(h.body_got) + " of " +
+                                    std::to_string(h.body.size()) + " bytes of the request's path and tag");
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return false;
+      throw TransferError(std::string("receiving the request failed: ") + errno_text(errno));
+    }
+    h.body_got += static_cast<size_t>(r);
+  }
+  const size_t path_len = h.body.size() - kTagBytes;
+  KeyedMac& mac = h.session->start_recv(kFrameRequest);
+  mac.update(h.in, kRequestBytes);
+  mac.update(h.body.data(), path_len);
+  h.session->verify(mac, reinterpret_cast<const uint8_t*>(h.body.data()) + path_len, "request");
+  return true;
+}
+
+void Admission::refuse_integrity(int epoll_fd, Handshakes::iterator it, const std::string& why) {
+  Handshake& h = *it;
+  counters_.integrity_failures.fetch_add(1);
+  log_.record("peer " + h.peer + " (rank " + std::to_string(h.rank) + "): " + why);
+  try {
+    // A fresh connection's send buffer holds these few bytes at once; the short timeout only
+    // bounds the unthinkable, so the stage never waits on one peer.
+    Channel ch(h.fd, 0.05, -1);
+    ch.start_session(std::move(h.session));
+    send_response(ch, kIntegrity, 0, why);
+  } catch (const std::exception&) {
+  }
+  ::shutdown(h.fd, SHUT_WR);
+  h.phase = Handshake::kDrain;
+  if (h.wants_out) h.wants_out = !epoll_watch(epoll_fd, EPOLL_CTL_MOD, h.fd, h.id, EPOLLIN);
+  set_deadline(h, Clock::now() + kDrainTime);
+}
+
+void Admission::timed_out(int epoll_fd, Handshakes::iterator it) {
+  Handshake& h = *it;
+  if (h.phase == Handshake::kDrain) {
+    forget(it);
+    return;
+  }
+  if (h.phase == Handshake::kRequest) {
+    counters_.request_timeouts.fetch_add(1);
+    const std::string budget = "request_timeout_s = " + seconds_text(limits_.request_timeout_s) + " s";
+    if (h.got < kRequestBytes) {
+      drop(it, "no request within " + budget + " of the handshake (" + std::to_string(h.got) + " of " +
+                   std::to_string(kRequestBytes) + " bytes received); connection closed");
+      return;
+    }
+    // Its fixed fields came, the rest did not: a path length altered on the way (or a client that
+    // stalled mid-message, which a real one does not do). It cannot be authenticated.
+    refuse_integrity(epoll_fd, it, "the request did not arrive whole within " + budget + " (" +
+                                       std::to_string(h.body_got) + " of " + std::to_string(h.body.size()) +
+                                       " bytes of its path and tag): its length was tampered with or corrupted");
+    return;
+  }
+  counters_.handshake_timeouts.fetch_add(1);
+  const size_t need = h.phase == Handshake::kHello ? kClientHelloBytes : h.phase == Handshake::kProof ? kMacBytes : 0;
+  const std::string where = h.phase == Handshake::kHello   ? "of the client hello"
+                            : h.phase == Handshake::kProof ? "of the client proof"
+                                                           : "";
+  const std::string detail = need ? std::to_string(h.got) + " of " + std::to_string(need) + " bytes " + where +
+                                        " received"
+                                  : std::string("the server hello not yet taken by the peer");
+  drop(it, "handshake timed out: not completed within handshake_timeout_s = " +
+               seconds_text(limits_.handshake_timeout_s) + " s of its connection (" + detail + ")");
 }
 
 void Admission::run(const std::function<bool(Admitted&)>& hand_over, const std::function<void()>& every_second) {
@@ -383,14 +535,13 @@ void Admission::run(const std::function<bool(Admitted&)>& hand_over, const std::
     log_.record(std::string("admission: epoll_ctl failed, no connection is accepted: ") + errno_text(errno));
     return;
   }
-  const auto budget = std::chrono::duration<double>(limits_.handshake_timeout_s);
   struct epoll_event events[kEvents];
   Clock::time_point next_tick = Clock::now() + kTick;
   bool paused = false;
   Clock::time_point resume;
   for (;;) {
     Clock::time_point wake = next_tick;
-    if (!handshakes_.empty()) wake = std::min(wake, handshakes_.front().deadline);
+    if (!deadlines_.empty()) wake = std::min(wake, deadlines_.begin()->first);
     if (paused) wake = std::min(wake, resume);
     const double wait_s = std::chrono::duration<double>(wake - Clock::now()).count();
     const int n = ::epoll_wait(epoll.get(), events, kEvents, wait_s > 0 ? timeout_ms(wait_s) : 0);
@@ -411,19 +562,13 @@ void Admission::run(const std::function<bool(Admitted&)>& hand_over, const std::
       if (f != by_id_.end()) progress(epoll.get(), f->second, hand_over);
     }
     Clock::time_point now = Clock::now();
-    while (!handshakes_.empty() && handshakes_.front().deadline <= now) {
-      const Handshake& h = handshakes_.front();
-      counters_.handshake_timeouts.fetch_add(1);
-      const size_t need = h.phase == Handshake::kHello ? kClientHelloBytes : h.phase == Handshake::kProof ? kMacBytes
-                                                                                                          : 0;
-      std::string where = h.phase == Handshake::kHello   ? "of the client hello"
-                          : h.phase == Handshake::kProof ? "of the client proof"
-                                                         : "";
-      std::string detail = need ? std::to_string(h.got) + " of " + std::to_string(need) + " bytes " + where +
-                                      " received"
-                                : std::string("the server hello not yet taken by the peer");
-      drop(handshakes_.begin(), "handshake timed out: not completed within handshake_timeout_s = " +
-                                    seconds_text(budget.count()) + " s of its connection (" + detail + ")");
+    while (!deadlines_.empty() && deadlines_.begin()->first <= now) {
+      const auto f = by_id_.find(deadlines_.begin()->second);
+      if (f == by_id_.end()) {  // cannot happen: every entry leaves with its connection
+        deadlines_.erase(deadlines_.begin());
+        continue;
+      }
+      timed_out(epoll.get(), f->second);
     }
     if (paused && now >= resume) {
       epoll_watch(epoll.get(), EPOLL_CTL_MOD, listen_fd_, kListenerId, EPOLLIN);
@@ -446,6 +591,7 @@ void Admission::run(const std::function<bool(Admitted&)>& hand_over, const std::
     handshakes_.pop_front();
   }
   by_id_.clear();
+  deadlines_.clear();
   counters_.handshaking.store(0);
 }
 

@@ -6,10 +6,13 @@
 // server side of every handshake as a non-blocking state machine over its fixed-size messages
 // (xfer::ServerHandshake does the cryptography). Each handshake has a budget counted from
 // accept(); the number of connections in the stage is capped, and when it is full a new
-// connection displaces the oldest handshake of the address that holds the most. Only a
-// connection whose client proved its rank (protocol v3, below the job's rank limit) is handed
-// to the workers, with its session and that rank (Admitted), by which the worker's policy
-// decides every request.
+// connection displaces the oldest connection of the address that holds the most. After the
+// client proved its rank (protocol v3, below the job's rank limit), the stage also receives its
+// request (bounded: at most kTransferMaxPathBytes of path) within request_timeout_s and checks
+// the request's tag before any field of it is used: a connection that authenticates and then
+// sends nothing never reaches a worker, and a request a relay altered is answered "integrity"
+// from here. Only a connection with an authentic request is handed to the workers, with its
+// session, that rank and the request (Admitted), by which the worker's policy decides.
 #pragma once
 
 #include <array>
@@ -49,6 +52,7 @@ std::string address_text(const PeerAddress& address);
 
 struct AdmissionLimits {
   double handshake_timeout_s = 5.0;  // from accept() to a checked client proof
+  double request_timeout_s = 2.0;    // from the checked proof to the whole request received
   int max_handshakes = 64;           // connections in the handshake stage at once
   int max_per_peer = 32;             // connections per address, handshaking or served
 };
@@ -56,17 +60,22 @@ struct AdmissionLimits {
 // Counters of the stage, for TransferServer::stats().
 struct AdmissionCounters {
   std::atomic<uint64_t> accepted{0}, rejected_not_allowed{0}, rejected_peer_cap{0}, handshakes_dropped{0},
-      handshake_timeouts{0}, handshakes_ok{0}, auth_failures{0}, protocol_failures{0}, handshaking{0};
+      handshake_timeouts{0}, handshakes_ok{0}, auth_failures{0}, protocol_failures{0}, handshaking{0},
+      request_timeouts{0}, integrity_failures{0};
 };
 
-// An authenticated connection, handed to a worker: the rank the client proved and the session
-// keyed by both ranks travel with the socket, so the worker authorizes every request by that rank.
+// An authenticated connection, handed to a worker: the rank the client proved, the session
+// keyed by both ranks and the request whose tag that session checked travel with the socket, so
+// the worker authorizes the request by that rank and never waits for it.
 struct Admitted {
   int fd = -1;
   PeerAddress address;
   std::string peer;  // "host:port", for messages
   uint32_t rank = 0;  // the client's rank, authenticated by its proof
   std::unique_ptr<Session> session;
+  uint8_t request[kRequestBytes] = {};  // the request's fixed fields, authenticated
+  std::string path;                     // the request's path, authenticated (not yet checked)
+  std::chrono::steady_clock::time_point queued_at;  // set by the server when it joins the queue
 };
 
 class Admission {
@@ -106,7 +115,14 @@ class Admission {
   void admit(int epoll_fd, int fd, const sockaddr_storage& peer, std::chrono::steady_clock::time_point now);
   bool is_allowed(const PeerAddress& address) const;
   void progress(int epoll_fd, Handshakes::iterator it, const std::function<bool(Admitted&)>& hand_over);
+  // Receives what of the request is there; true once it is whole and its tag checked out.
+  bool receive_request(Handshakes::iterator it);
+  // Answers an authenticated connection "integrity" (best effort), then drains it briefly before the close.
+  void refuse_integrity(int epoll_fd, Handshakes::iterator it, const std::string& why);
+  void timed_out(int epoll_fd, Handshakes::iterator it);
+  void set_deadline(Handshake& h, std::chrono::steady_clock::time_point deadline);
   void drop(Handshakes::iterator it, const std::string& why);  // closes, releases, forgets
+  void forget(Handshakes::iterator it);                        // as drop, without a word in the log
   Handshakes::iterator victim_for_room();
   Handshakes::iterator oldest_of(const PeerAddress& address);
   void unuse(const PeerAddress& address, bool was_handshaking);
@@ -127,9 +143,10 @@ class Admission {
   std::mutex use_mutex_;  // the admission thread and the workers (release)
   std::map<PeerAddress, Use> use_;
 
-  // Admission thread only: the stage in accept order (so deadlines ascend), and by id.
+  // Admission thread only: the stage in accept order, by id, and by deadline.
   Handshakes handshakes_;
   std::unordered_map<uint64_t, Handshakes::iterator> by_id_;
+  std::multimap<std::chrono::steady_clock::time_point, uint64_t> deadlines_;
   uint64_t next_id_ = 2;  // 0: the listener, 1: stop_fd
 };
 

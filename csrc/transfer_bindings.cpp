@@ -126,9 +126,13 @@ py::dict transfer_result(const TransferResult& r) {
 
 void register_transfer(py::module_& m) {
   // Registered base first: pybind11 tries the newest translator first, so subclasses win.
-  auto& transfer_error = py::register_exception<TransferError>(m, "TransferError", PyExc_OSError);
+  // Every error of the package derives from ml_flashpoint_nemo.errors.FlashpointError; this
+  // module is imported from there after FlashpointError is defined, so the lookup finds it.
+  py::object flashpoint_error = py::module_::import("ml_flashpoint_nemo.errors").attr("FlashpointError");
+  py::tuple transfer_bases = py::make_tuple(flashpoint_error, py::handle(PyExc_OSError));
+  auto& transfer_error = py::register_exception<TransferError>(m, "TransferError", transfer_bases);
   transfer_error.doc() =
-      "A transfer failed (client operations: after the last retry). Subclass of OSError.";
+      "A transfer failed (client operations: after the last retry). Subclass of FlashpointError and OSError.";
   auto& auth_error = py::register_exception<TransferAuthError>(m, "TransferAuthError", transfer_error);
   auth_error.doc() = "The peer failed the HMAC-SHA256 handshake (wrong job secret). Never retried.";
   py::tuple timeout_bases = py::make_tuple(transfer_error, py::handle(PyExc_TimeoutError));
@@ -294,7 +298,8 @@ void register_transfer(py::module_& m) {
       [](const std::string& host, int port, const py::bytes& secret, const std::string& remote_path,
          const py::object& local_base_dir, const py::object& local_path, double connect_timeout_s,
          double io_timeout_s, int retries, double backoff_s, uint64_t max_object_bytes, const py::object& spare_dir,
-         uint32_t rank, uint32_t peer_rank, double min_rate_bytes_per_s, const py::object& rate_grace_s) {
+         uint32_t rank, uint32_t peer_rank, double min_rate_bytes_per_s, const py::object& rate_grace_s,
+         const py::object& space_margin_bytes) {
         const std::string base = fspath(local_base_dir);
         const std::string local = local_path.is_none() ? std::string() : local_path.cast<std::string>();
         if (!local_path.is_none()) split_relative_path(local);  // an explicit "" is refused, not defaulted
@@ -302,6 +307,10 @@ void register_transfer(py::module_& m) {
         TransferOptions o = transfer_options(connect_timeout_s, io_timeout_s, retries, backoff_s, true, max_object_bytes);
         o.spare_dir = optional_relative_path(spare_dir);
         set_peer_args(o, {rank, peer_rank, min_rate_bytes_per_s, rate_grace_s});
+        if (!space_margin_bytes.is_none()) {
+          o.space_margin_bytes = space_margin_bytes.cast<int64_t>();
+          if (o.space_margin_bytes < 0) throw std::invalid_argument("space_margin_bytes must be >= 0 or None");
+        }
         TransferResult r;
         {
           py::gil_scoped_release release;
@@ -314,14 +323,17 @@ void register_transfer(py::module_& m) {
       py::arg("io_timeout_s") = 30.0, py::arg("retries") = 3, py::arg("backoff_s") = 0.2,
       py::arg("max_object_bytes") = kDefaultMax, py::arg("spare_dir") = py::none(), py::arg("rank") = 0,
       py::arg("peer_rank") = 0, py::arg("min_rate_bytes_per_s") = kTransferDefaultMinRate,
-      py::arg("rate_grace_s") = py::none(),
+      py::arg("rate_grace_s") = py::none(), py::arg("space_margin_bytes") = py::none(),
       "Fetch remote_path from a TransferServer into local_base_dir/local_path (default: remote_path).\n\n"
       "Missing parent directories are created inside local_base_dir. The object is received into a hidden\n"
       "temp file, checked (length, CRC32C), fsynced and renamed into place only if it matches. Retries and\n"
       "errors as transfer_push; objects over max_object_bytes are refused. spare_dir (relative to\n"
       "local_base_dir, same file system): a directory of spare files; the temp file is one of them when\n"
       "there is one (renamed, resized, overwritten), so the data lands on tmpfs pages that already exist.\n"
-      "rank, peer_rank, min_rate_bytes_per_s, rate_grace_s: as transfer_push.");
+      "rank, peer_rank, min_rate_bytes_per_s, rate_grace_s: as transfer_push. Before the data flows the\n"
+      "object's bytes are reserved on local_base_dir's file system (against this process's other fetches),\n"
+      "leaving space_margin_bytes free (None: 1/32 of the file system) for this node's own saves, as a\n"
+      "TransferServer does; TransferNoSpaceError (nothing written, not retried) when they do not fit.");
 
   py::class_<TransferPolicy, std::shared_ptr<TransferPolicy>>(
       m, "TransferPolicy",
@@ -359,10 +371,13 @@ void register_transfer(py::module_& m) {
                              "max_connections_per_peer connections per address (handshaking, queued or served); at\n"
                              "most max_handshakes handshaking at once (when full, a new connection displaces the\n"
                              "oldest handshake of the address with the most); a handshake not completed within\n"
-                             "handshake_timeout_s of accept() is closed. max_connections worker threads serve the\n"
-                             "authenticated connections; up to max_pending more wait in a queue, beyond that they\n"
-                             "are closed. The request must arrive within io_timeout_s of a worker taking the\n"
-                             "connection, then every wait is bounded by it. Errors inside the service threads are\n"
+                             "handshake_timeout_s of accept() is closed. The request must then arrive whole within\n"
+                             "request_timeout_s, and its tag is checked before any field of it is used, still in the\n"
+                             "stage. max_connections worker threads serve the authenticated requests; up to\n"
+                             "max_pending more wait in a queue for at most queue_timeout_s, beyond that they are\n"
+                             "closed unserved. A rank has at most max_queued_per_rank requests waiting in the queue\n"
+                             "(0: max(1, min(4, max_pending / 4))) and at most max_connections - 1 (at least 1)\n"
+                             "served at once. Every wait of a transfer is bounded by io_timeout_s. Errors inside the service threads are\n"
                              "kept (last 1000) for errors(); those about connections that did not authenticate at\n"
                              "most 10 a minute, the rest counted. Use as a context manager or call stop().\n\n"
                              "spare_dir (relative to base_dir, same file system): a directory of spare files, e.g.\n"
@@ -381,7 +396,8 @@ void register_transfer(py::module_& m) {
                        const py::object& spare_dir, uint32_t rank, std::shared_ptr<TransferPolicy> policy,
                        double min_rate_bytes_per_s, const py::object& rate_grace_s,
                        const py::object& space_margin_bytes, double handshake_timeout_s, int max_handshakes,
-                       int max_connections_per_peer, const py::object& allowed_peers) {
+                       int max_connections_per_peer, const py::object& allowed_peers, double request_timeout_s,
+                       double queue_timeout_s, int max_queued_per_rank) {
              TransferServerConfig c;
              c.base_dir = fspath(base_dir);
              c.secret = secret;
@@ -406,6 +422,9 @@ void register_transfer(py::module_& m) {
              c.handshake_timeout_s = handshake_timeout_s;
              c.max_handshakes = max_handshakes;
              c.max_connections_per_peer = max_connections_per_peer;
+             c.request_timeout_s = request_timeout_s;
+             c.queue_timeout_s = queue_timeout_s;
+             c.max_queued_per_rank = max_queued_per_rank;
              std::tie(c.allow_any_peer, c.allowed_peers) = allow_list(allowed_peers);
              py::gil_scoped_release release;
              return std::unique_ptr<TransferServer>(new TransferServer(c));
@@ -416,7 +435,9 @@ void register_transfer(py::module_& m) {
            py::arg("policy") = py::none(), py::arg("min_rate_bytes_per_s") = kTransferDefaultMinRate,
            py::arg("rate_grace_s") = py::none(), py::arg("space_margin_bytes") = py::none(),
            py::arg("handshake_timeout_s") = 5.0, py::arg("max_handshakes") = 64,
-           py::arg("max_connections_per_peer") = 32, py::arg("allowed_peers") = py::none())
+           py::arg("max_connections_per_peer") = 32, py::arg("allowed_peers") = py::none(),
+           py::arg("request_timeout_s") = 2.0, py::arg("queue_timeout_s") = 10.0,
+           py::arg("max_queued_per_rank") = 0)
       .def_property_readonly("port", &TransferServer::port, "The bound TCP port.")
       .def_property_readonly("host", &TransferServer::host)
       .def_property_readonly("running", &TransferServer::running)
@@ -458,7 +479,9 @@ void register_transfer(py::module_& m) {
            "Counters: accepted, rejected_not_allowed (address not allowed), rejected_peer_cap (an address at\n"
            "max_connections_per_peer with no handshake to displace), handshakes_dropped (displaced by newer\n"
            "connections), handshake_timeouts, handshakes_ok, handshaking (now), errors_suppressed (by the rate\n"
-           "limit), rejected_busy, auth_failures, ..., spares_taken (pushes received into a spare file),\n"
+           "limit), rejected_busy (queue full), rejected_rank_cap (a rank at max_queued_per_rank),\n"
+           "request_timeouts (no whole request within request_timeout_s), queue_timeouts (queued past\n"
+           "queue_timeout_s), auth_failures, ..., spares_taken (pushes received into a spare file),\n"
            "mappings_reused (of those, written through a mapping kept from an earlier reception), forbidden\n"
            "(requests the policy or the expected sizes refused), no_space (pushes refused for room), too_slow\n"
            "(transfers that fell below the minimum rate).")

@@ -6,6 +6,7 @@
 
 #include "transfer.hpp"
 #include "transfer_paths.hpp"
+#include "transfer_space.hpp"
 #include "transfer_stream.hpp"
 #include "transfer_wire.hpp"
 
@@ -101,6 +102,17 @@ void check_client_args(const std::string& secret, int port, const TransferOption
 void start_data_phase(Channel& ch, const TransferOptions& o) {
   ch.clear_deadline();
   ch.start_rate_floor(o.min_rate_bytes_per_s, o.rate_grace_s < 0 ? o.io_timeout_s : o.rate_grace_s);
+}
+
+// The ledger of this process's fetches that keep a margin of margin_bytes: concurrent fetches
+// (recovery's threads) reserve against each other, not each against the free space alone.
+SpaceLedger& fetch_ledger(int64_t margin_bytes) {
+  static std::mutex m;
+  static std::map<int64_t, std::unique_ptr<SpaceLedger>> ledgers;
+  std::lock_guard<std::mutex> lk(m);
+  std::unique_ptr<SpaceLedger>& ledger = ledgers[margin_bytes < 0 ? -1 : margin_bytes];
+  if (!ledger) ledger.reset(new SpaceLedger(margin_bytes < 0 ? -1 : margin_bytes));
+  return *ledger;
 }
 
 template <typename Attempt>
@@ -238,7 +250,18 @@ TransferResult transfer_fetch(const std::string& host, int port, const std::stri
       throw TransferRefusedError("fetch of " + quoted(remote_path) + " refused: " + msg);
     }
     Fd spares = open_spare_dir(base.get(), o.spare_dir);
-    TempObject tmp(base.get(), local_path, size, spares.get());
+    std::unique_ptr<TempObject> made;
+    try {
+      made.reset(new TempObject(base.get(), local_path, size, spares.get(), nullptr,
+                                &fetch_ledger(o.space_margin_bytes)));
+    } catch (const TransferNoSpaceError& e) {
+      try {
+        send_response(ch, kNoSpace, 0, e.what());
+      } catch (const std::exception&) {
+      }
+      throw TransferNoSpaceError("fetch of " + quoted(remote_path) + " refused here: " + e.what());
+    }
+    TempObject& tmp = *made;
     TransferResult r;
     try {
       r.crc32c = receive_object(ch, tmp, size, buf);

@@ -45,6 +45,14 @@ TransferServer::TransferServer(const TransferServerConfig& config) : config_(con
     throw std::invalid_argument("max_handshakes must be in 1..65536");
   if (config_.max_connections_per_peer < 1 || config_.max_connections_per_peer > 65536)
     throw std::invalid_argument("max_connections_per_peer must be in 1..65536");
+  if (!(config_.request_timeout_s > 0) || config_.request_timeout_s > 3600)
+    throw std::invalid_argument("request_timeout_s must be in (0, 3600]");
+  if (!(config_.queue_timeout_s > 0) || config_.queue_timeout_s > 86400)
+    throw std::invalid_argument("queue_timeout_s must be in (0, 86400]");
+  if (config_.max_queued_per_rank < 0 || config_.max_queued_per_rank > 65536)
+    throw std::invalid_argument("max_queued_per_rank must be in 0..65536");
+  if (config_.max_queued_per_rank == 0) config_.max_queued_per_rank = std::max(1, std::min(4, config_.max_pending / 4));
+  max_served_per_rank_ = std::max(1, config_.max_connections - 1);
   std::vector<PeerAddress> allowed;
   for (const std::string& a : config_.allowed_peers) allowed.push_back(parse_peer_address(a));
 
@@ -86,6 +94,7 @@ TransferServer::TransferServer(const TransferServerConfig& config) : config_(con
   errors_.reset(new ErrorLog());
   AdmissionLimits limits;
   limits.handshake_timeout_s = config_.handshake_timeout_s;
+  limits.request_timeout_s = config_.request_timeout_s;
   limits.max_handshakes = config_.max_handshakes;
   limits.max_per_peer = config_.max_connections_per_peer;
   // The stage proves this server's rank and admits only ranks of the job (below the policy's world size).
@@ -148,9 +157,12 @@ std::map<std::string, uint64_t> TransferServer::stats() const {
           {"handshaking", a.handshaking.load()},
           {"errors_suppressed", errors_->suppressed_total()},
           {"rejected_busy", rejected_busy_.load()},
+          {"rejected_rank_cap", rejected_rank_cap_.load()},
+          {"request_timeouts", a.request_timeouts.load()},
+          {"queue_timeouts", queue_timeouts_.load()},
           {"auth_failures", a.auth_failures.load()},
           {"protocol_failures", a.protocol_failures.load() + protocol_failures_.load()},
-          {"integrity_failures", integrity_failures_.load()},
+          {"integrity_failures", a.integrity_failures.load() + integrity_failures_.load()},
           {"pushes_ok", pushes_ok_.load()},
           {"fetches_ok", fetches_ok_.load()},
           {"transfer_failures", transfer_failures_.load()},
@@ -182,33 +194,96 @@ std::pair<bool, std::vector<std::string>> TransferServer::allowed_peers() const 
 
 void TransferServer::record_error(const std::string& message) { errors_->record(message); }
 
-// From the admission thread: an authenticated connection joins the queue, or is refused when it is full.
+// From the admission thread: an authenticated request joins the queue, or is refused when its
+// rank has max_queued_per_rank waiting already, or the queue is full. (Only waiting ones count:
+// a rank that pushes one object after the other may send its next request while a worker still
+// finishes its last.)
 bool TransferServer::hand_over(Admitted& admitted) {
+  std::vector<std::unique_ptr<Admitted>> expired;
+  std::string refusal;
   {
     std::lock_guard<std::mutex> lk(queue_mutex_);
     if (stopping_) return false;  // closed without a word, like every connection at stop()
-    if (queue_.size() < static_cast<size_t>(config_.max_pending)) {
+    take_expired(&expired);  // their places go to new requests
+    int& queued = rank_queued_[admitted.rank];
+    if (queued >= config_.max_queued_per_rank) {
+      rejected_rank_cap_.fetch_add(1);
+      refusal = std::to_string(queued) + " requests of rank " + std::to_string(admitted.rank) +
+                " are waiting already (max_queued_per_rank " + std::to_string(config_.max_queued_per_rank) + ")";
+    } else if (queue_.size() >= static_cast<size_t>(config_.max_pending)) {
+      rejected_busy_.fetch_add(1);
+      refusal = "server busy (" + std::to_string(config_.max_pending) + " requests already waiting)";
+    } else {
+      ++queued;
+      admitted.queued_at = Clock::now();
       queue_.emplace_back(new Admitted(std::move(admitted)));
-      queue_cv_.notify_one();
-      return true;
     }
+    if (queued == 0) rank_queued_.erase(admitted.rank);
   }
-  rejected_busy_.fetch_add(1);
-  record_error("peer " + admitted.peer + ": connection refused after its handshake, server busy (" +
-               std::to_string(config_.max_pending) + " authenticated connections already waiting)");
+  queue_cv_.notify_all();
+  close_expired(expired);
+  if (refusal.empty()) return true;
+  record_error("peer " + admitted.peer + " (rank " + std::to_string(admitted.rank) +
+               "): connection closed unserved after its request: " + refusal);
   return false;
+}
+
+void TransferServer::take_expired(std::vector<std::unique_ptr<Admitted>>* expired) {
+  const auto now = Clock::now();
+  const auto limit = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(config_.queue_timeout_s));
+  for (auto it = queue_.begin(); it != queue_.end();) {
+    if (now - (*it)->queued_at <= limit) {
+      ++it;
+      continue;
+    }
+    if (--rank_queued_[(*it)->rank] <= 0) rank_queued_.erase((*it)->rank);
+    expired->push_back(std::move(*it));
+    it = queue_.erase(it);
+  }
+}
+
+std::unique_ptr<Admitted> TransferServer::next_request() {
+  for (auto it = queue_.begin(); it != queue_.end(); ++it) {
+    const auto served = rank_served_.find((*it)->rank);
+    if (served != rank_served_.end() && served->second >= max_served_per_rank_) continue;
+    std::unique_ptr<Admitted> next = std::move(*it);
+    queue_.erase(it);
+    if (--rank_queued_[next->rank] <= 0) rank_queued_.erase(next->rank);
+    return next;
+  }
+  return nullptr;
+}
+
+void TransferServer::close_expired(std::vector<std::unique_ptr<Admitted>>& expired) {
+  for (auto& e : expired) {
+    queue_timeouts_.fetch_add(1);
+    ::close(e->fd);
+    admission_->release(e->address);
+    record_error("peer " + e->peer + " (rank " + std::to_string(e->rank) + "): request closed unserved after " +
+                 "waiting queue_timeout_s = " + std::to_string(config_.queue_timeout_s) + " s for a worker");
+  }
+  expired.clear();
 }
 
 void TransferServer::worker_loop() {
   for (;;) {
     std::unique_ptr<Admitted> p;
+    std::vector<std::unique_ptr<Admitted>> expired;
     {
       std::unique_lock<std::mutex> lk(queue_mutex_);
-      queue_cv_.wait(lk, [this] { return stopping_ || !queue_.empty(); });
-      if (stopping_) return;
-      p = std::move(queue_.front());
-      queue_.pop_front();
+      for (;;) {
+        if (stopping_) return;  // stop() closes what is still queued
+        take_expired(&expired);
+        p = next_request();
+        if (p || !expired.empty()) break;
+        // A request waiting for its rank's turn wakes at the latest when it would expire.
+        if (queue_.empty()) queue_cv_.wait(lk);
+        else queue_cv_.wait_for(lk, std::chrono::duration<double>(config_.queue_timeout_s));
+      }
+      if (p) ++rank_served_[p->rank];
     }
+    close_expired(expired);
+    if (!p) continue;
     {
       Fd conn(p->fd);
       try {
@@ -219,6 +294,11 @@ void TransferServer::worker_loop() {
         record_error("peer " + p->peer + ": unknown error");
       }
     }
+    {
+      std::lock_guard<std::mutex> lk(queue_mutex_);
+      if (--rank_served_[p->rank] <= 0) rank_served_.erase(p->rank);
+    }
+    queue_cv_.notify_all();  // a request of this rank may now take a worker
     admission_->release(p->address);  // after the close: the address may open another connection
   }
 }
@@ -268,51 +348,26 @@ void drain_briefly(int fd, int stop_fd) {
 void TransferServer::handle(int fd, Admitted& admitted) {
   const std::string& peer = admitted.peer;
   Channel ch(fd, config_.io_timeout_s, stop_fd_);
-  // The request and the first response, from being taken up here (the handshake's budget ran from accept()).
+  // The first response, from being taken up here (the request came whole, its tag checked, in the admission stage).
   ch.set_deadline(config_.io_timeout_s);
   ch.start_session(std::move(admitted.session));
   const uint32_t client_rank = admitted.rank;  // proved in the handshake; every policy check below uses it
-
-  uint8_t req[kRequestBytes];
-  uint32_t op = 0, path_len = 0;
-  uint64_t size = 0;
-  std::string path;
-  try {
-    ch.recv_exact(req, sizeof(req), "request");
-    op = get_u32(req);
-    path_len = get_u32(req + 4);
-    size = get_u64(req + 8);
-    std::string bad;
-    if (op != kOpPush && op != kOpFetch) bad = "unknown operation " + std::to_string(op);
-    else if (path_len == 0 || path_len > kTransferMaxPathBytes)
-      bad = "path length " + std::to_string(path_len) + " outside 1.." + std::to_string(kTransferMaxPathBytes);
-    else if (get_u32(req + 16) != 0 || get_u32(req + 20) != 0) bad = "non-zero reserved request fields";
-    else if (op == kOpFetch && size != 0) bad = "fetch request with a non-zero size";
-    if (!bad.empty()) {
-      protocol_failures_.fetch_add(1);
-      record_error("peer " + peer + ": bad request: " + bad);
-      send_response(ch, kBadRequest, 0, bad);
-      drain_briefly(fd, stop_fd_);
-      return;
-    }
-    path.resize(path_len);
-    ch.recv_exact(&path[0], path_len, "request path");
-    KeyedMac& mac = ch.session().start_recv(kFrameRequest);
-    mac.update(req, sizeof(req));
-    mac.update(path.data(), path.size());
-    recv_tag(ch, mac, "request");
-  } catch (const TransferIntegrityError& e) {
-    integrity_failures_.fetch_add(1);
-    record_error("peer " + peer + ": " + e.what());
+  const uint8_t* req = admitted.request;
+  const uint32_t op = get_u32(req);
+  const uint64_t size = get_u64(req + 8);
+  const std::string& path = admitted.path;
+  std::string bad;
+  if (op != kOpPush && op != kOpFetch) bad = "unknown operation " + std::to_string(op);
+  else if (get_u32(req + 16) != 0 || get_u32(req + 20) != 0) bad = "non-zero reserved request fields";
+  else if (op == kOpFetch && size != 0) bad = "fetch request with a non-zero size";
+  if (!bad.empty()) {
+    protocol_failures_.fetch_add(1);
+    record_error("peer " + peer + " (rank " + std::to_string(client_rank) + "): bad request: " + bad);
     try {
-      send_response(ch, kIntegrity, 0, e.what());
+      send_response(ch, kBadRequest, 0, bad);
       drain_briefly(fd, stop_fd_);
     } catch (const std::exception&) {
     }
-    return;
-  } catch (const std::exception& e) {
-    protocol_failures_.fetch_add(1);
-    record_error("peer " + peer + ": reading the request failed: " + e.what());
     return;
   }
 

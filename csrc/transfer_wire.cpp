@@ -252,7 +252,11 @@ Response recv_response(Channel& ch) {
   r.status = get_u32(head);
   const uint32_t len = get_u32(head + 4);
   r.value = get_u64(head + 8);
-  if (len > kMaxMessageBytes) throw TransferError("malformed response: message length " + std::to_string(len));
+  // Only the length is read before the tag, to find the tag; a length no peer sends cannot be authenticated.
+  if (len > kMaxMessageBytes)
+    throw TransferIntegrityError("response with a message length of " + std::to_string(len) + " (over " +
+                                 std::to_string(kMaxMessageBytes) +
+                                 "): it cannot be authenticated; the connection was tampered with or corrupted");
   r.message.resize(len);
   if (len) ch.recv_exact(&r.message[0], len, "response message");
   KeyedMac& mac = ch.session().start_recv(kFrameResponse);

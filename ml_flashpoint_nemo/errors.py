@@ -93,7 +93,9 @@ class DurableDrainError(FlashpointError):
 
 
 # The transfer service's errors are defined by the C++ core, which raises them; re-exported here
-# so that users catch them from one place. TransferIntegrityError: a message on a replication
-# connection failed its authentication tag (tampered with or corrupted on the way); nothing was
-# stored. Subclass of TransferError (an OSError).
+# so that users catch them from one place. TransferError derives from FlashpointError (the core
+# looks it up here when it is imported, which is why this import comes last) and from OSError
+# (callers that catch network failures as OSError keep working). TransferIntegrityError: a
+# message on a replication connection failed its authentication tag (tampered with or corrupted
+# on the way); nothing was stored.
 from ml_flashpoint_nemo._core import TransferError, TransferIntegrityError  # noqa: E402, F401 - re-exported

@@ -32,7 +32,7 @@ swap_in "$instrumented"
 if [ $# -eq 0 ]; then
   set -- tests/test_core_extension.py tests/test_transfer_service.py tests/test_hostile_objects.py \
     tests/test_roundtrip.py tests/test_peer_strings.py tests/test_transfer_authz.py tests/test_transfer_admission.py \
-    tests/test_gmac.py tests/test_transfer_integrity.py
+    tests/test_gmac.py tests/test_transfer_integrity.py tests/test_transfer_denial.py
   if [ "$sanitize" = 1 ]; then
     set -- "$@" tests/test_fuzz_objects.py tests/test_bad_inputs.py  # sanitize.sh's list has these too
   fi

@@ -302,8 +302,11 @@ def test_per_address_cap_displaces_its_own_handshakes_then_refuses(dirs):
         stats = wait_for(srv, "one displaced", lambda s: s["handshakes_dropped"] == 1 and s["handshaking"] == 2)
         assert still_open(second) and still_open(third), stats
 
-        # 127.0.0.1 holds two authenticated connections (each waits in a worker for its request) ...
+        # 127.0.0.1 holds two authenticated pushes, each stalled in a worker after its request ...
         held = [peer.client_handshake(connect_from(HOST, srv.port), SECRET) for _ in range(2)]
+        for i, session in enumerate(held):
+            session.send_request(peer.OP_PUSH, f"stalled-{i}.fpo".encode(), 1 << 20)
+            assert session.recv_response()[0] == peer.OK
         wait_for(srv, "two admitted", lambda s: s["handshakes_ok"] == 2)
         write_object(client, "o.fpo", b"payload")
         with pytest.raises(_core.TransferError):  # closed at accept(): EOF or reset, whichever arrives first
@@ -312,7 +315,7 @@ def test_per_address_cap_displaces_its_own_handshakes_then_refuses(dirs):
         assert stats["handshaking"] == 2 and stats["handshakes_dropped"] == 1, stats
         assert not (base / "o.fpo").exists()
         # ... while the other address still gets through (displacing its own stalled handshake).
-        with peer.client_handshake(connect_from(other, srv.port), SECRET) as session:
+        with peer.client_handshake(connect_from(other, srv.port), SECRET, rank=1) as session:  # another rank
             session.send_request(peer.OP_FETCH, b"missing.fpo", 0)
             assert session.recv_response()[0] == peer.NOT_FOUND
         assert closed_without_a_word(second)

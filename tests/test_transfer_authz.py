@@ -400,6 +400,31 @@ def test_pushes_that_do_not_fit_together_are_refused_before_their_data(tmp_path)
         assert committed_steps(CheckpointLayout(base)) == [5]
 
 
+def test_a_fetch_leaves_the_margin_for_the_nodes_own_saves(tmp_path, shm_dir):
+    """A fetch into a 32 MiB tmpfs keeps the margin a server keeps (default 1/32, 1 MiB here): 31.5 MiB
+    is refused before its data (before: it filled the tmpfs), nothing is left, and the node's own save
+    then fits; a fetch that leaves the margin succeeds."""
+    served = shm_dir / "served"
+    served.mkdir()
+    big, fits = os.urandom(MiB) * 31 + os.urandom(MiB // 2), os.urandom(MiB) * 16
+    (served / "big.fpo").write_bytes(big)
+    (served / "fits.fpo").write_bytes(fits)
+    with mounted_tmpfs(tmp_path / "tmpfs", "32m") as mount, _core.TransferServer(served, SECRET) as srv:
+        base = mount / "node-0"
+        base.mkdir()
+        with pytest.raises(_core.TransferNoSpaceError, match="kept free for this node's own saves"):
+            _core.transfer_fetch(HOST, srv.port, SECRET, "big.fpo", base, retries=0)
+        assert os.listdir(base) == [] and srv.stats()["fetches_ok"] == 0
+        with pytest.raises(_core.TransferNoSpaceError):  # an explicit margin: 16 MiB of 32 after 16 MiB is 0
+            _core.transfer_fetch(HOST, srv.port, SECRET, "fits.fpo", base, retries=0, space_margin_bytes=17 * MiB)
+        assert os.listdir(base) == []
+        _core.transfer_fetch(HOST, srv.port, SECRET, "fits.fpo", base, retries=0)
+        assert (base / "fits.fpo").read_bytes() == fits
+        (base / "own-save").write_bytes(os.urandom(MiB) * 14)  # the node's own save still fits
+        with pytest.raises(ValueError, match="space_margin_bytes"):
+            _core.transfer_fetch(HOST, srv.port, SECRET, "fits.fpo", base, "again.fpo", space_margin_bytes=-1)
+
+
 def test_a_push_must_match_the_size_the_commit_record_gives(node, server):
     layout = CheckpointLayout(node)
     (node / "step-6").mkdir()

@@ -298,6 +298,68 @@ def test_fetching_client_detects_tampering_and_keeps_nothing(dirs, server, tampe
     assert (server_base / OBJ).read_bytes() == DATA
 
 
+# Each field of a request, flipped by the relay: (offset in the request, bits to flip). The path
+# (OBJ, 23 bytes) makes the length flips one shorter (the tag no longer lines up), longer (the
+# server waits for bytes that never come) and beyond the bound (the tag cannot be found).
+REQUEST_FLIPS = {
+    "op": (0, 0x01),
+    "path-length-shorter": (4, 0x01),
+    "path-length-longer": (4, 0x08),
+    "path-length-out-of-bounds": (7, 0x80),
+    "size": (8, 0x01),
+    "flags": (16, 0x01),
+    "reserved": (20, 0x01),
+    "path": (24, 0x01),
+    "tag": (-1, 0x01),
+}
+
+
+@pytest.mark.parametrize("op", ["push", "fetch"])
+@pytest.mark.parametrize("field", REQUEST_FLIPS)
+def test_every_flipped_request_field_is_tampering_and_gets_no_other_answer(dirs, op, field):
+    """Tag before action: the server checks a request's tag before it uses any field of it, so a relay
+    without the secret learns nothing from the answers (before: an authentic BAD_REQUEST, which the
+    client reported as a refusal) and the client sees TransferIntegrityError; nothing is stored."""
+    server_base, client = dirs
+    assert len(OBJ) == 23
+    offset, bits = REQUEST_FLIPS[field]
+    statuses: list[int] = []
+
+    def tamper(kind: str, index: int, raw: bytes) -> bytes:
+        if kind == "response":
+            statuses.append(struct.unpack("<I", raw[:4])[0])
+        return flip_bits(raw, offset, bits) if (kind, index) == ("request", 0) else raw
+
+    if op == "fetch":
+        (server_base / "step-7").mkdir()
+        (server_base / OBJ).write_bytes(DATA)
+    with _core.TransferServer(server_base, SECRET, io_timeout_s=5, request_timeout_s=0.5) as srv:
+        relay = Relay(srv.port, tamper)
+        try:
+            with pytest.raises(_core.TransferIntegrityError, match="tampered with or corrupted"):
+                if op == "push":
+                    push_through(relay, client, OBJ, DATA)
+                else:
+                    _core.transfer_fetch(HOST, relay.port, SECRET, OBJ, client, retries=0, io_timeout_s=5)
+        finally:
+            relay.close()
+        stats = srv.stats()
+        errors = srv.errors()
+    assert statuses == [peer.INTEGRITY], (statuses, errors)
+    assert stats["integrity_failures"] == 1 and stats["pushes_ok"] == stats["fetches_ok"] == 0, stats
+    assert not any("bad request" in e for e in errors), errors
+    if op == "push":
+        assert_nothing_landed(server_base)
+    else:
+        assert not (client / OBJ).exists() and leftovers(client) == []
+
+
+def flip_bits(raw: bytes, offset: int, bits: int) -> bytes:
+    b = bytearray(raw)
+    b[offset] ^= bits
+    return bytes(b)
+
+
 def test_an_honest_relay_still_works(dirs, server):
     server_base, client = dirs
     relay = Relay(server.port, lambda k, i, raw: raw)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import select
 import signal
 import socket
 import struct
@@ -335,12 +336,15 @@ def test_push_over_a_symlink_replaces_the_link_not_its_target(hostile):
 
 @pytest.mark.parametrize("path_len", [0, 4097, 0xFFFFFFFF])
 def test_bad_path_length_is_refused(hostile, path_len):
+    """The length says where the request's tag is: one no client sends cannot be authenticated, so it is
+    answered as tampering, before any other field is looked at."""
     srv = hostile[0]
     with auth_sock(srv) as s:
         s.send_request(peer.OP_PUSH, b"x", 1, path_len=path_len)
         status, _, msg = s.recv_response()
-        assert status == peer.BAD_REQUEST and "path length" in msg
+        assert status == peer.INTEGRITY and f"path length of {path_len}" in msg, (status, msg)
         assert_closed(s)
+    assert srv.stats()["integrity_failures"] >= 1
 
 
 @pytest.mark.parametrize("size", [256 * MiB + 1, 2**63, 2**64 - 1], ids=["over-max", "2^63", "minus-1"])
@@ -418,10 +422,13 @@ def test_stop_leaves_no_threads_or_fds(dirs):
     _core.transfer_push(HOST, srv.port, SECRET, client, "o.fpo")
     accepted = srv.stats()["accepted"]
     hanging = [socket.create_connection((HOST, srv.port)) for _ in range(5)]  # in the handshake stage
-    hanging += [auth_sock(srv) for _ in range(4)]  # authenticated: three busy workers and one queued
-    deadline = time.monotonic() + 10  # until the server has accepted all nine and checked the four proofs
-    while (srv.stats()["accepted"] < accepted + len(hanging) or srv.stats()["handshakes_ok"] < 5) \
-            and time.monotonic() < deadline:
+    requests = [auth_sock(srv) for _ in range(4)]
+    for i, s in enumerate(requests):  # pushes that stall after their request: two served (a rank gets at most
+        s.send_request(peer.OP_PUSH, f"stalled-{i}.fpo".encode(), MiB)  # max_connections - 1 workers), two queued
+    hanging += requests
+    deadline = time.monotonic() + 10  # until the server has accepted all nine and queued the four requests
+    while (srv.stats()["accepted"] < accepted + len(hanging) or srv.stats()["handshakes_ok"] < 5
+           or srv.stats()["handshaking"] > 5) and time.monotonic() < deadline:
         time.sleep(0.01)
     stats = srv.stats()
     assert stats["accepted"] == accepted + len(hanging) and stats["handshaking"] == 5, stats
@@ -432,6 +439,11 @@ def test_stop_leaves_no_threads_or_fds(dirs):
     assert not srv.running
     for s in hanging:
         s.settimeout(2)
+        if isinstance(s, peer.Session) and select.select([s.sock], [], [], 0)[0]:
+            try:
+                s.recv_response()  # a served push's "ready"
+            except ConnectionError:
+                pass
         assert_closed(s)  # the server closed its end
         s.close()
     assert count_fds() == fds and count_threads() == threads
@@ -440,6 +452,23 @@ def test_stop_leaves_no_threads_or_fds(dirs):
     assert srv.errors() == []  # cleared by the previous call
     with pytest.raises(_core.TransferError):
         _core.transfer_push(HOST, srv.port, SECRET, client, "o.fpo", retries=0)
+
+
+def test_transfer_errors_are_flashpoint_errors_and_still_os_errors(dirs):
+    """The README: every error derives from FlashpointError; callers that catch OSError keep working."""
+    from ml_flashpoint_nemo import errors
+
+    classes = [v for k, v in vars(_core).items() if k.startswith("Transfer") and k.endswith("Error")]
+    assert len(classes) == 10
+    for cls in classes:
+        assert issubclass(cls, errors.FlashpointError) and issubclass(cls, OSError), cls.__mro__
+    assert errors.TransferError is _core.TransferError and errors.TransferIntegrityError is _core.TransferIntegrityError
+    base, client, _ = dirs
+    with socket.create_server((HOST, 0)) as listener:  # nobody answers: a failed fetch, raised from C++
+        port = listener.getsockname()[1]
+    with pytest.raises(errors.FlashpointError) as info:
+        _core.transfer_fetch(HOST, port, SECRET, "o.fpo", client, retries=0, connect_timeout_s=1)
+    assert isinstance(info.value, _core.TransferError) and isinstance(info.value, OSError)
 
 
 def test_bad_arguments(dirs):

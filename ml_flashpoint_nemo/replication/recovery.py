@@ -166,7 +166,8 @@ def fetch_version_files(layout: CheckpointLayout, step: int, endpoints: PeerEndp
     directory.mkdir(parents=True, exist_ok=True)
     temporary = temporary_name(COMMIT_NAME)
     base = os.fspath(layout.base_dir)
-    kwargs = dict(config.transfer_kwargs(), rank=endpoints.rank, peer_rank=source)
+    kwargs = dict(config.transfer_kwargs(), rank=endpoints.rank, peer_rank=source,
+                  space_margin_bytes=config.space_margin_bytes)  # the room the node's own saves need
     try:
         _core.transfer_fetch(address[0], address[1], endpoints.secret, version_relpath(step, COMMIT_NAME), base,
                              version_relpath(step, temporary), **kwargs)
@@ -230,7 +231,8 @@ def fetch_object_from(layout: CheckpointLayout, step: int, record: ObjectRecord,
         try:
             fetched = _core.transfer_fetch(address[0], address[1], endpoints.secret, relative,
                                            os.fspath(layout.base_dir), spare_dir=REPLICA_SPARES, rank=endpoints.rank,
-                                           peer_rank=source, **config.transfer_kwargs())
+                                           peer_rank=source, space_margin_bytes=config.space_margin_bytes,
+                                           **config.transfer_kwargs())
             verify_fetched_object(path, record, fetched["crc32c"])
             return None
         except Exception as exc:  # noqa: BLE001 - next holder, then report

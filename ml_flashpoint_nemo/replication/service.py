@@ -108,7 +108,8 @@ class ReplicationConfig:
     # frees its worker. 0: no floor.
     min_rate_bytes_per_s: int = 1 << 20
     rate_grace_s: float | None = None
-    # Bytes a push into this node must leave free for the node's own saves (None: 1/32 of its file system).
+    # Bytes a push into this node, or a recovery's fetch onto it, must leave free for the node's own
+    # saves (None: 1/32 of its file system).
     space_margin_bytes: int | None = None
 
     def transfer_kwargs(self) -> dict[str, Any]:
