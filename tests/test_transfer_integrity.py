@@ -361,7 +361,3 @@ def test_older_peers_are_refused_with_a_clear_message(dirs, server, old):
     finally:
         t.join(10)
         listener.close()
-
-
-def test_mac_backend_is_reported():
-    assert _core.transfer_mac_backend() in _core.gmac_backends()
