@@ -18,16 +18,15 @@ odd sizes). Two figures are reported for each direction:
 - cold (`*_cold`): a first transfer: no known CRC (the sender reads and checksums every chunk)
   and no spare (the receiver faults in and zeroes fresh tmpfs pages).
 
-Every message is tagged with AES-256-GMAC (protocol v3); `tag_backend` says which implementation
-ran. With --also-tag-backends (e.g. `openssl,pclmul`), a steady push per named backend joins the
-rotation (`push_tag_<name>`, both ends on that backend), so backends compare in the same run.
+Every message is tagged with AES-256-GMAC (protocol v3), computed by OpenSSL's libcrypto;
+`tag_library` says which version ran.
 
 Runs alternate raw / push / push with sendfile / cold push / fetch / cold fetch, so drift on a
 shared machine hits all of them alike; medians and bests are reported, the ratios use medians.
 `cpu_s_per_gb_*` is the process's CPU time (both ends, user + system) per GB moved: unlike the
 throughput, it barely depends on what else runs on the machine.
 
-    python benchmarks/bench_replication_transport.py [--mib 512] [--repeats 5] [--also-tag-backends a,b]
+    python benchmarks/bench_replication_transport.py [--mib 512] [--repeats 5]
 
 Design budget (DESIGN.md section 8): replication over loopback >= 0.7x raw TCP.
 """
@@ -131,18 +130,6 @@ def _dispose(ends: Endpoints, path: Path, spare: bool) -> None:
         path.unlink()
 
 
-def _with_tag_backend(name: str, run):
-    """run() with both ends' new sessions on the named GMAC backend."""
-    def wrapped() -> float:
-        before = _core.transfer_mac_backend()
-        _core.set_transfer_mac_backend(name)
-        try:
-            return run()
-        finally:
-            _core.set_transfer_mac_backend(before)
-    return wrapped
-
-
 def _cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
@@ -163,16 +150,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--mib", type=int, default=512, help="object size in MiB (default 512)")
     parser.add_argument("--repeats", type=int, default=5, help="measured runs of each kind (default 5)")
     parser.add_argument("--dir", default="/dev/shm", help="tmpfs to put both base directories on")
-    parser.add_argument("--also-tag-backends", default="",
-                        help="comma-separated GMAC backends (of _core.gmac_backends()) to also time steady pushes with")
     args = parser.parse_args(argv)
     nbytes = args.mib << 20
-    extra_backends = [b for b in args.also_tag_backends.split(",") if b]
-    unknown = sorted(set(extra_backends) - set(_core.gmac_backends()))
-    if unknown:
-        parser.error(f"unknown tag backend(s) {unknown}; this build and CPU have {_core.gmac_backends()}")
     kinds = ["raw_tcp", "push", "push_sendfile", "push_cold", "fetch", "fetch_cold"]
-    kinds += [f"push_tag_{b}" for b in extra_backends]
     results: dict[str, list[float]] = {k: [] for k in kinds}
     cpu: dict[str, list[float]] = {k: [] for k in kinds}
 
@@ -191,9 +171,6 @@ def main(argv: list[str] | None = None) -> dict:
                 "fetch": lambda: _fetch(ends, source.port, spare=True),
                 "fetch_cold": lambda: _fetch(ends, source.port, spare=False),
             }
-            for b in extra_backends:
-                runs[f"push_tag_{b}"] = _with_tag_backend(
-                    b, lambda: _push(ends, steady.port, known_crc=True, zero_copy=False, spare=True))
             for kind in kinds:  # warm-up: page cache, socket buffers, code paths, the first spare
                 runs[kind]()
             for _ in range(args.repeats):
@@ -213,8 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
         "cpu_count": os.cpu_count(),
         "crc32c_backend": _core.crc32c_backend(),
         "tag": "AES-256-GMAC",
-        "tag_backend": _core.transfer_mac_backend(),
-        "tag_backends_available": _core.gmac_backends(),
+        "tag_library": _core.crypto_library(),
         "load_average": [round(x, 2) for x in os.getloadavg()],
         **{k: _summary(v) for k, v in results.items()},
         **{f"cpu_s_per_gb_{k}": round(statistics.median(v), 3) for k, v in cpu.items()},
@@ -223,7 +199,6 @@ def main(argv: list[str] | None = None) -> dict:
         "ratio_push_cold_vs_raw": _ratio(results, "push_cold"),
         "ratio_fetch_vs_raw": _ratio(results, "fetch"),
         "ratio_fetch_cold_vs_raw": _ratio(results, "fetch_cold"),
-        **{f"ratio_push_tag_{b}_vs_raw": _ratio(results, f"push_tag_{b}") for b in extra_backends},
         "ratio_best_push_vs_best_raw": round(max(results["push"]) / max(results["raw_tcp"]), 3),
         "steady_pushes_into_spares": steady_stats["spares_taken"],
         "steady_pushes_through_kept_mappings": steady_stats["mappings_reused"],

@@ -6,8 +6,7 @@
 #include <vector>
 
 #include "bindings_common.hpp"
-#include "gmac.hpp"
-#include "sha256.hpp"
+#include "crypto.hpp"
 #include "transfer.hpp"
 #include "transfer_mac.hpp"
 #include "transfer_policy.hpp"
@@ -174,17 +173,12 @@ void register_transfer(py::module_& m) {
   };
   py::register_exception_translator(translate_transfer_error);
 
-  m.def("transfer_mac_backend", [] { return std::string(xfer::mac_backend()); },
-        "Which AES-256-GMAC implementation new transfer sessions use: 'openssl' (libcrypto), 'avx512-vpclmul', "
-        "'pclmul' or 'portable' (built in). All compute the same tags.");
-  m.def("set_transfer_mac_backend", &xfer::set_mac_backend, py::arg("name"),
-        "Makes new transfer sessions of this process use the named AES-256-GMAC backend (one of gmac_backends(); "
-        "ValueError otherwise). For tests and measurements: every backend computes the same tags.");
-  m.def("gmac_backends", &gmac_backends,
-        "The AES-256-GMAC implementations this build and CPU can run, the default first.");
+  m.def("crypto_library", [] { return std::string(crypto_library()); },
+        "The OpenSSL libcrypto that computes every tag, key and nonce of the transfer protocol, e.g. "
+        "'OpenSSL 3.0.19 27 Jan 2026'.");
   m.def(
       "gmac",
-      [](const py::buffer& key, const py::buffer& nonce, const py::list& parts, const std::string& backend) {
+      [](const py::buffer& key, const py::buffer& nonce, const py::list& parts) {
         const std::string k = buffer_bytes(key), n = buffer_bytes(nonce);
         if (k.size() != kGmacKeyBytes) throw std::invalid_argument("key must be 32 bytes (AES-256)");
         if (n.size() != kGmacNonceBytes) throw std::invalid_argument("nonce must be 12 bytes");
@@ -193,34 +187,23 @@ void register_transfer(py::module_& m) {
         GmacTag tag;
         {
           py::gil_scoped_release release;
-          Gmac g(reinterpret_cast<const uint8_t*>(k.data()), backend);
+          Gmac g(reinterpret_cast<const uint8_t*>(k.data()));
           g.begin(reinterpret_cast<const uint8_t*>(n.data()));
           for (const py::buffer_info& piece : pieces) g.update(piece.ptr, static_cast<size_t>(piece.size * piece.itemsize));
           tag = g.finish();
         }
         return py::bytes(reinterpret_cast<const char*>(tag.data()), tag.size());
       },
-      py::arg("key"), py::arg("nonce"), py::arg("parts"), py::arg("backend") = "",
-      "AES-256-GMAC tag (16 bytes) of the concatenated parts (fed to the backend one part at a time) under "
-      "key (32 bytes) and nonce (12 bytes), with the named backend ('' = the default; ValueError if unavailable).");
-  m.def(
-      "sha256", [](const py::buffer& data) {
-        py::buffer_info info = request_readable(data);
-        Digest256 d;
-        {
-          py::gil_scoped_release release;
-          d = sha256(info.ptr, static_cast<size_t>(info.size * info.itemsize));
-        }
-        return py::bytes(reinterpret_cast<const char*>(d.data()), d.size());
-      },
-      py::arg("data"), "SHA-256 (FIPS 180-4) digest of a bytes-like object (32 bytes).");
+      py::arg("key"), py::arg("nonce"), py::arg("parts"),
+      "AES-256-GMAC tag (16 bytes, libcrypto's AES-256-GCM with the parts as additional data) of the "
+      "concatenated parts, fed one part at a time, under key (32 bytes) and nonce (12 bytes). For the test vectors.");
   m.def(
       "hmac_sha256", [](const py::buffer& key, const py::buffer& msg) {
         const std::string k = buffer_bytes(key), d = buffer_bytes(msg);
         const Digest256 mac = hmac_sha256(k.data(), k.size(), d.data(), d.size());
         return py::bytes(reinterpret_cast<const char*>(mac.data()), mac.size());
       },
-      py::arg("key"), py::arg("msg"), "HMAC-SHA256 (RFC 2104) of msg under key (32 bytes).");
+      py::arg("key"), py::arg("msg"), "HMAC-SHA256 (RFC 2104, libcrypto) of msg under key. For the test vectors.");
 
   constexpr uint64_t kDefaultMax = kTransferDefaultMaxObjectBytes;
   m.def(

@@ -1,12 +1,8 @@
 // Session keys and tags of the transfer protocol (see transfer_mac.hpp).
 #include "transfer_mac.hpp"
 
-#include <atomic>
 #include <cstring>
-#include <stdexcept>
-#include <vector>
 
-#include "sha256.hpp"
 #include "transfer.hpp"
 
 namespace flashpoint {
@@ -33,36 +29,11 @@ class DerivedKey {
   Digest256 key_;
 };
 
-// Index into gmac_backends() of the backend new sessions use; -1 is the default.
-std::atomic<int> chosen_backend{-1};
-
 }  // namespace
 
-const char* mac_backend() {
-  static const std::vector<std::string> names = gmac_backends();
-  const int i = chosen_backend.load();
-  return i < 0 ? gmac_backend() : names.at(static_cast<size_t>(i)).c_str();
-}
-
-void set_mac_backend(const std::string& name) {
-  const std::vector<std::string> names = gmac_backends();
-  for (size_t i = 0; i < names.size(); ++i) {
-    if (names[i] == name) {
-      chosen_backend.store(static_cast<int>(i));
-      return;
-    }
-  }
-  std::string known;
-  for (const std::string& n : names) known += (known.empty() ? "" : ", ") + n;
-  throw std::invalid_argument("GMAC backend '" + name + "' is not available in this build or on this CPU (" +
-                              known + ")");
-}
-
 Session::Session(const std::string& secret, const uint8_t* nonce_c, const uint8_t* nonce_s, bool is_client)
-    : send_(DerivedKey(secret, is_client ? kKeyLabelClientToServer : kKeyLabelServerToClient, nonce_c, nonce_s).data(),
-            mac_backend()),
-      recv_(DerivedKey(secret, is_client ? kKeyLabelServerToClient : kKeyLabelClientToServer, nonce_c, nonce_s).data(),
-            mac_backend()),
+    : send_(DerivedKey(secret, is_client ? kKeyLabelClientToServer : kKeyLabelServerToClient, nonce_c, nonce_s).data()),
+      recv_(DerivedKey(secret, is_client ? kKeyLabelServerToClient : kKeyLabelClientToServer, nonce_c, nonce_s).data()),
       send_direction_(is_client ? kClientToServer : kServerToClient),
       recv_direction_(is_client ? kServerToClient : kClientToServer) {}
 

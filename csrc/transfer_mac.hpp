@@ -1,5 +1,5 @@
 // Message authentication of a transfer session (protocol v3, docs/protocol.md): one AES-256-GMAC
-// key per direction, derived from the handshake with HMAC-SHA256, and a 96-bit nonce per message
+// key per direction (libcrypto, crypto.hpp), derived from the handshake with HMAC-SHA256, and a 96-bit nonce per message
 // made of the direction, the message's kind and a sequence number per direction, so that a relay
 // cannot reorder, replay, drop or splice authenticated messages, nor pass one kind off as another.
 #pragma once
@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <string>
 
-#include "gmac.hpp"
+#include "crypto.hpp"
 
 namespace flashpoint {
 namespace xfer {
@@ -23,14 +23,8 @@ enum Direction : uint8_t { kClientToServer = 1, kServerToClient = 2 };
 // Tags one message at a time: begin (by the Session), update with its bytes, finish.
 using KeyedMac = Gmac;
 
-// The GMAC backend that new sessions use: gmac_backend() unless set_mac_backend chose another.
-const char* mac_backend();
-// Makes new sessions of this process use the named GMAC backend (one of gmac_backends(),
-// else std::invalid_argument). For tests and for comparing backends; every backend computes
-// the same tags, so peers need not agree on one.
-void set_mac_backend(const std::string& name);
-
-// Both directions of one authenticated connection.
+// Both directions of one authenticated connection: one libcrypto context per direction, made
+// once with the session and reused for every message. Used by the connection's thread only.
 class Session {
  public:
   // is_client chooses which derived key sends and which receives.

@@ -96,22 +96,9 @@ std::string quoted(const std::string& s) {
 }
 
 
-void fill_random(void* buf, size_t n) {
-  uint8_t* p = static_cast<uint8_t*>(buf);
-  while (n > 0) {
-    const ssize_t got = getrandom(p, n, 0);
-    if (got < 0) {
-      if (errno == EINTR) continue;
-      throw OsError(errno, "getrandom failed", "");
-    }
-    p += got;
-    n -= static_cast<size_t>(got);
-  }
-}
-
 std::string random_hex(size_t bytes) {
   std::vector<uint8_t> raw(bytes);
-  fill_random(raw.data(), raw.size());
+  random_bytes(raw.data(), raw.size());
   static const char* hex = "0123456789abcdef";
   std::string out;
   for (uint8_t b : raw) {
@@ -149,7 +136,7 @@ void ServerHandshake::answer(const std::string& secret, uint32_t server_rank, co
   server_rank_ = server_rank;
   client_rank_ = get_u32(hello + 12);
   std::memcpy(nonce_c_, hello + 16, kNonceBytes);
-  fill_random(nonce_s_, kNonceBytes);
+  random_bytes(nonce_s_, kNonceBytes);
   std::memcpy(reply + 16, nonce_s_, kNonceBytes);
   const Transcript t(client_rank_, server_rank_, nonce_c_, nonce_s_);
   const Digest256 server_key = rank_key(secret, server_rank_);
@@ -178,7 +165,7 @@ void client_handshake(Channel& ch, const std::string& secret, uint32_t client_ra
   put_u32(hello + 8, kProtocolVersion);
   put_u32(hello + 12, client_rank);
   uint8_t* nonce_c = hello + 16;
-  fill_random(nonce_c, kNonceBytes);
+  random_bytes(nonce_c, kNonceBytes);
   ch.send_all(hello, sizeof(hello), "client hello");
   uint8_t reply[kServerHelloBytes];
   ch.recv_exact(reply, sizeof(reply), "server hello");

@@ -14,7 +14,6 @@
 #include <sys/eventfd.h>
 #include <sys/ioctl.h>
 #include <sys/mman.h>
-#include <sys/random.h>
 #include <sys/sendfile.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -31,7 +30,7 @@
 #include <memory>
 
 #include "errors.hpp"
-#include "sha256.hpp"
+#include "crypto.hpp"
 #include "transfer.hpp"
 #include "transfer_mac.hpp"
 
@@ -93,7 +92,7 @@ inline uint64_t get_u64(const uint8_t* p) {
 // Peer-chosen text for messages: quoted, control bytes escaped, at most 200 bytes shown.
 std::string quoted(const std::string& s);
 inline std::string errno_text(int err) { return std::strerror(err); }
-void fill_random(void* buf, size_t n);
+// n random bytes (libcrypto, crypto.hpp) as 2n hex digits.
 std::string random_hex(size_t bytes);
 
 class Fd {

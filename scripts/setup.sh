@@ -4,6 +4,29 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# The C++ extension links OpenSSL's libcrypto (3.0 or later) for every primitive of the transfer
+# protocol and needs its headers to build. As root with apt-get or dnf they are installed here;
+# otherwise a missing one stops the set-up with what to install. OPENSSL_ROOT_DIR (another
+# installation, for CMake) skips the check.
+libcrypto_headers() {
+  pkg-config --exists 'libcrypto >= 3.0' 2>/dev/null || [ -f /usr/include/openssl/evp.h ]
+}
+if [ -z "${OPENSSL_ROOT_DIR:-}" ] && ! libcrypto_headers; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing OpenSSL's libcrypto headers (libssl-dev) for the C++ extension"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libssl-dev >/dev/null
+  elif [ "$(id -u)" = 0 ] && command -v dnf >/dev/null 2>&1; then
+    echo "installing OpenSSL's libcrypto headers (openssl-devel) for the C++ extension"
+    dnf install -y -q openssl-devel >/dev/null
+  fi
+  if ! libcrypto_headers; then
+    echo "error: OpenSSL 3's libcrypto headers (openssl/evp.h) are missing; the C++ extension needs them." >&2
+    echo "  Install them, then rerun: Debian/Ubuntu 'apt-get install libssl-dev'," >&2
+    echo "  RHEL/Rocky/Fedora 'dnf install openssl-devel'; or set OPENSSL_ROOT_DIR to another OpenSSL 3." >&2
+    exit 1
+  fi
+fi
+
 python_bin=${PYTHON:-}
 if [ -z "$python_bin" ]; then
   if command -v python3.11 >/dev/null 2>&1; then python_bin=python3.11; else python_bin=python3; fi
@@ -15,4 +38,4 @@ pip=(.venv/bin/python -m pip install --disable-pip-version-check -q -c requireme
 "${pip[@]}" torch==2.13.0
 # Everything else in one resolve, against the same constraints.
 "${pip[@]}" -e '.[nemo,dev]'
-.venv/bin/python -c "import ml_flashpoint_nemo._core as c; print('ml_flashpoint_nemo ready, crc32c backend:', c.crc32c_backend())"
+.venv/bin/python -c "import ml_flashpoint_nemo._core as c; print('ml_flashpoint_nemo ready, crc32c backend:', c.crc32c_backend(), '| crypto:', c.crypto_library())"

@@ -47,7 +47,7 @@ def test_bench_crc32c_reports_every_backend_against_memcpy():
     assert result.returncode == 0, result.stdout + result.stderr
     rows = {row["name"]: row for row in map(json.loads, result.stdout.splitlines())}
     assert rows.keys() == ({"memcpy"} | {f"crc32c {b}" for b in _core.crc32c_backends()}
-                           | {f"gmac {b}" for b in _core.gmac_backends()})
+                           | {"gmac"})
     assert rows["memcpy"]["cost_vs_memcpy"] == 1.0
     for name, row in rows.items():
         assert row["cpu_gbps"] > 0 and row["cost_vs_memcpy"] > 0 and row["nbytes"] == 64 << 10, name

@@ -1,26 +1,19 @@
-"""AES-256-GMAC, the tag of protocol v3 (csrc/gmac.cpp, docs/protocol.md): every backend matches
-the published test vectors, the backends agree with each other (and with the independent Python
-implementation of the test peer) on random messages fed in random pieces, and peers whose
-processes use different backends talk to each other.
+"""AES-256-GMAC, the tag of protocol v3 (csrc/crypto.cpp: libcrypto's AES-256-GCM with the message
+as additional data, docs/protocol.md): it matches the published test vectors and the independent
+Python implementation of the test peer on random messages fed in random pieces, and it comes from
+OpenSSL's libcrypto, the only implementation in the extension.
 """
 
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
+import re
 from pathlib import Path
 
 import pytest
 
 from ml_flashpoint_nemo import _core
 from tests.support.aes_gmac import Gmac as PyGmac
-
-REPO = Path(__file__).resolve().parent.parent
-BACKENDS = _core.gmac_backends()
-SECRET = b"gmac-interop-secret-0123456789"
-HOST = "127.0.0.1"
 
 # (source, key, nonce, additional data, tag): AES-256-GCM with an empty plaintext.
 VECTORS = [
@@ -45,13 +38,12 @@ VECTORS = [
 ]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("vector", VECTORS, ids=[v[0] for v in VECTORS])
-def test_published_vectors(backend, vector):
+def test_published_vectors(vector):
     _, key, nonce, aad, tag = (bytes.fromhex(x) if i else x for i, x in enumerate(vector))
-    assert _core.gmac(key, nonce, [aad], backend).hex() == tag.hex()
-    # Fed one byte at a time: the partial-block buffering gives the same tag.
-    assert _core.gmac(key, nonce, [aad[i:i + 1] for i in range(len(aad))], backend) == tag
+    assert _core.gmac(key, nonce, [aad]).hex() == tag.hex()
+    # Fed one byte at a time (one libcrypto update each): the same tag.
+    assert _core.gmac(key, nonce, [aad[i:i + 1] for i in range(len(aad))]) == tag
 
 
 @pytest.mark.parametrize("vector", VECTORS, ids=[v[0] for v in VECTORS])
@@ -70,23 +62,19 @@ def _random_case(rng: random.Random, length: int) -> tuple[bytes, bytes, bytes, 
     return key, nonce, data, parts
 
 
-def test_backends_agree_on_random_messages_in_random_pieces():
+def test_pieces_give_the_tag_of_the_whole_message():
     rng = random.Random(20261203)
     lengths = list(range(0, 300)) + [rng.randrange(300, 70_000) for _ in range(40)] + [256 << 10, (1 << 20) + 13]
     for length in lengths:
         key, nonce, data, parts = _random_case(rng, length)
-        whole = {b: _core.gmac(key, nonce, [data], b) for b in BACKENDS}
-        assert len(set(whole.values())) == 1, (length, whole)
-        pieces = {b: _core.gmac(key, nonce, parts, b) for b in BACKENDS}
-        assert set(pieces.values()) == set(whole.values()), length
+        assert _core.gmac(key, nonce, parts) == _core.gmac(key, nonce, [data]), length
 
 
-def test_the_python_peer_agrees_with_every_backend():
+def test_the_python_peer_agrees_with_libcrypto():
     rng = random.Random(7)
     for length in [0, 1, 15, 16, 17, 255, 256, 257, 4099]:
-        key, nonce, data, _ = _random_case(rng, length)
-        expected = PyGmac(key).tag(nonce, data)
-        assert {_core.gmac(key, nonce, [data], b) for b in BACKENDS} == {expected}, length
+        key, nonce, data, parts = _random_case(rng, length)
+        assert _core.gmac(key, nonce, parts) == PyGmac(key).tag(nonce, data), length
 
 
 def test_a_changed_byte_nonce_or_key_changes_the_tag():
@@ -106,52 +94,12 @@ def test_bad_arguments_are_refused_clearly():
         _core.gmac(bytes(16), bytes(12), [b"x"])
     with pytest.raises(ValueError, match="nonce must be 12 bytes"):
         _core.gmac(bytes(32), bytes(16), [b"x"])
-    with pytest.raises(ValueError, match="GMAC backend 'nope' is not available"):
-        _core.gmac(bytes(32), bytes(12), [b"x"], "nope")
-    before = _core.transfer_mac_backend()
-    with pytest.raises(ValueError, match="GMAC backend 'nope' is not available.*portable"):
-        _core.set_transfer_mac_backend("nope")
-    assert _core.transfer_mac_backend() == before
 
 
-def test_the_default_is_the_first_backend():
-    assert BACKENDS[0] == _core.transfer_mac_backend()
-    assert "portable" in BACKENDS
-
-
-# A TransferServer in another process whose sessions use the backend named in argv[2].
-_SERVER = """
-import sys
-from ml_flashpoint_nemo import _core
-_core.set_transfer_mac_backend(sys.argv[2])
-with _core.TransferServer(sys.argv[1], sys.argv[3].encode(), max_connections=1) as srv:
-    print(srv.port, _core.transfer_mac_backend(), flush=True)
-    sys.stdin.read()
-    print("ERRORS", srv.errors(), flush=True)
-"""
-
-
-@pytest.mark.parametrize("server_backend", BACKENDS)
-def test_peers_on_different_backends_interoperate(shm_dir: Path, server_backend):
-    """A process on one backend pushes to and fetches from a process on another: the same tags."""
-    client_backend = "portable" if server_backend != "portable" else BACKENDS[0]
-    server_base, client_base = shm_dir / "server", shm_dir / "client"
-    server_base.mkdir()
-    client_base.mkdir()
-    data = os.urandom(3 * (256 << 10) + 999)  # three whole chunks and a short one
-    (client_base / "obj.fpo").write_bytes(data)
-    proc = subprocess.Popen([sys.executable, "-c", _SERVER, str(server_base), server_backend, SECRET.decode()],
-                            cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    before = _core.transfer_mac_backend()
-    try:
-        port, used = proc.stdout.readline().split()
-        assert used == server_backend
-        _core.set_transfer_mac_backend(client_backend)
-        r = _core.transfer_push(HOST, int(port), SECRET, client_base, "obj.fpo", "step-1/obj.fpo", retries=0)
-        assert r["nbytes"] == len(data) and (server_base / "step-1" / "obj.fpo").read_bytes() == data
-        _core.transfer_fetch(HOST, int(port), SECRET, "step-1/obj.fpo", client_base, "back.fpo", retries=0)
-        assert (client_base / "back.fpo").read_bytes() == data
-    finally:
-        _core.set_transfer_mac_backend(before)
-        out, _ = proc.communicate("", timeout=30)
-    assert "ERRORS []" in out, out
+def test_every_primitive_comes_from_openssl_libcrypto():
+    """The extension runs OpenSSL 3's libcrypto and offers no other implementation to choose."""
+    assert re.fullmatch(r"OpenSSL [3-9]\.\d+\.\d+\S* .*", _core.crypto_library()), _core.crypto_library()
+    mapped = Path("/proc/self/maps").read_text()
+    assert re.search(r"/libcrypto\.so\.[3-9]", mapped), "libcrypto is not loaded by the extension"
+    for gone in ("gmac_backends", "set_transfer_mac_backend", "transfer_mac_backend", "sha256"):
+        assert not hasattr(_core, gone), gone

@@ -396,6 +396,16 @@ def test_a_trailer_cut_off_by_a_closed_connection_stores_nothing(dirs, server):
     assert_nothing_landed(server_base)
 
 
+def test_every_server_hello_carries_a_fresh_nonce(server):
+    """The server's 32-byte handshake nonce (libcrypto's RAND_bytes) is new on every connection."""
+    seen = set()
+    for _ in range(8):
+        with peer.connect(HOST, server.port) as s:
+            s.sendall(peer.MAGIC + struct.pack("<II", peer.VERSION, 0) + os.urandom(32))
+            seen.add(peer.recv_exact(s, 80)[16:48])
+    assert len(seen) == 8 and bytes(32) not in seen
+
+
 @pytest.mark.parametrize("old", [1, 2], ids=["v1-unauthenticated", "v2-hmac-sha256-tags"])
 def test_older_peers_are_refused_with_a_clear_message(dirs, server, old):
     """v1 (nothing authenticated after the handshake) and v2 (HMAC-SHA256 tags, no rank
@@ -423,7 +433,3 @@ def test_older_peers_are_refused_with_a_clear_message(dirs, server, old):
     finally:
         t.join(10)
         listener.close()
-
-
-def test_mac_backend_is_reported():
-    assert _core.transfer_mac_backend() in _core.gmac_backends()

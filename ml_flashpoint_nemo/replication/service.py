@@ -24,7 +24,6 @@ rank, which `keep_for_next_save` learns with one fixed-size all-reduce per save.
 from __future__ import annotations
 
 import atexit
-import functools
 import ipaddress
 import logging
 import os
@@ -59,13 +58,6 @@ from ml_flashpoint_nemo.replication.placement import DEFAULT_FACTOR, effective_f
 from ml_flashpoint_nemo.replication.secret import agree_on_secret
 
 logger = logging.getLogger(__name__)
-
-
-@functools.lru_cache(maxsize=None)
-def _log_mac_backend_once() -> None:
-    """Says once (DEBUG) which AES-256-GMAC implementation tags replication traffic ('portable' is slow)."""
-    logger.debug("Replication messages are authenticated with AES-256-GMAC (%s backend)",
-                 _core.transfer_mac_backend())
 
 HOST_ENV = "FLASHPOINT_REPLICATION_HOST"
 # Allowed besides the gathered addresses only when one of those is loopback (a single-node job):
@@ -189,7 +181,6 @@ def peer_endpoints(base_dir: str | os.PathLike[str], config: ReplicationConfig |
     try:
         Path(base_dir).mkdir(parents=True, exist_ok=True)
         host = advertised_host(config.host)
-        _log_mac_backend_once()
         policy = transfer_policy(topology, config.factor if receive_pushes else None)
         server = _core.TransferServer(os.fspath(base_dir), secret, host=host, port=config.port,
                                       max_connections=config.max_connections, io_timeout_s=config.io_timeout_s,

@@ -1,9 +1,9 @@
 """AES-256-GMAC in pure Python (NIST SP 800-38D: GCM with only additional data), for the test peer.
 
-Written from the specifications (FIPS 197 for AES, SP 800-38D for GHASH) and independent of
-csrc/gmac.cpp: GHASH here works in GCM's own bit order with byte-indexed tables of multiples of
-H, where the C++ code works in the byte-reversed POLYVAL domain. Tests check both against the
-published test vectors and against each other. Not constant time: test use only.
+Written from the specifications (FIPS 197 for AES, SP 800-38D for GHASH; GHASH in GCM's own bit
+order with byte-indexed tables of multiples of H), independent of OpenSSL's libcrypto, which
+computes the extension's tags. Tests check both against the published test vectors and against
+each other. Not constant time: test use only.
 """
 
 from __future__ import annotations
