@@ -66,3 +66,29 @@ def test_a_damaged_newest_version_falls_back_to_the_older_one_on_every_rank(tmp_
     results = job(tmp_path, base_dir, "resume")
     assert [r["latest"] for r in results] == [1, 1], results
     assert all(r["checked"] for r in results)
+
+
+def test_bad_arguments_are_refused_with_what_to_do_instead(base_dir):
+    from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.base_manager import CheckpointingException
+    from nvidia_resiliency_ext.checkpointing.local.replication.strategies import CliqueReplicationStrategy
+
+    from ml_flashpoint_nemo.errors import FlashpointError
+    from ml_flashpoint_nemo.nvrx import FlashpointLocalCheckpointManager, LocalCheckpointingError
+
+    assert issubclass(LocalCheckpointingError, CheckpointingException)  # NVRx's callers catch it as before
+    assert issubclass(LocalCheckpointingError, FlashpointError)
+    strategy = CliqueReplicationStrategy.__new__(CliqueReplicationStrategy)  # its __init__ needs a process group
+    with pytest.raises(LocalCheckpointingError, match="pass replication=ReplicationConfig"):
+        FlashpointLocalCheckpointManager(base_dir, repl_strategy=strategy)
+    for session in ("../other", "a/b", ".."):
+        with pytest.raises(LocalCheckpointingError, match="plain directory name"):
+            FlashpointLocalCheckpointManager(base_dir, session_id=session)
+    with pytest.raises(LocalCheckpointingError, match="keep must be >= 1"):
+        FlashpointLocalCheckpointManager(base_dir, keep=0)
+    manager = FlashpointLocalCheckpointManager(base_dir, session_id=SESSION)
+    with pytest.raises(LocalCheckpointingError, match=r"call find_latest\(\) before load\(\)"):
+        manager.load()
+    manager.latest_iteration = 5  # as find_latest leaves it
+    with pytest.raises(LocalCheckpointingError, match="not newer than the local checkpoint found"):
+        manager.save(None, 5)  # type: ignore[arg-type]  # refused before the state dict is looked at
+    assert manager.latest_iteration == 5 and not base_dir.exists()  # nothing written, the choice kept
