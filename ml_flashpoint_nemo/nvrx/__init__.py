@@ -11,10 +11,13 @@ from ml_flashpoint_nemo._lazy import lazy_exports
 
 if TYPE_CHECKING:  # what the lazy exports below resolve to, for type checkers and IDEs
     from ml_flashpoint_nemo.nvrx.manager import FlashpointLocalCheckpointManager, LocalCheckpointingError
+    from ml_flashpoint_nemo.nvrx.trainer import FlashpointHierarchicalCheckpointIO, use_flashpoint_local_checkpoints
 
 _EXPORTS = {
     "FlashpointLocalCheckpointManager": "manager",
     "LocalCheckpointingError": "manager",
+    "FlashpointHierarchicalCheckpointIO": "trainer",
+    "use_flashpoint_local_checkpoints": "trainer",
 }
 
 __all__ = sorted(_EXPORTS)
