@@ -48,27 +48,20 @@ def test_local_checkpoint_without_global_resumes_from_ram_bit_exact(nemo_referen
 
 
 @pytest.mark.parametrize(
-    "case, local_every, kill_at, expected",
+    "case, local_every, global_every, kill_at, expected",
     [
-        ("local newer", 2, 5, ("ram", "step-4")),  # local step 4, global step 3
-        ("global newer", 4, 7, ("durable", "step=5")),  # local step 4, global step 6 (NeMo names it step=5)
+        ("local newer", 2, 3, 5, ("ram", "step-4")),  # local step 4, global step 3
+        ("global newer", 4, 3, 7, ("durable", "step=5")),  # local step 4, global step 6 (NeMo names it step=5)
+        ("no global yet", 2, 6, 5, ("ram", "step-4")),  # the job's NeMo ModelCheckpoint has saved nothing yet
     ],
 )
 def test_resume_loads_the_newer_of_local_and_global(
-    nemo_reference, tmp_path, shm_dir, case, local_every, kill_at, expected
+    nemo_reference, tmp_path, shm_dir, case, local_every, global_every, kill_at, expected
 ):
     """With NeMo's AutoResume finding a global checkpoint, NeMo's hierarchical IO compares the two iterations."""
     link_reference(nemo_reference, tmp_path)
-    flags = (
-        "--route",
-        "nvrx",
-        "--every",
-        str(local_every),
-        "--durable-every",
-        "3",
-        "--durable-dir",
-        str(tmp_path / "durable"),
-    )
+    flags = ("--route", "nvrx", "--every", str(local_every), "--durable-every", str(global_every))
+    flags += ("--durable-dir", str(tmp_path / "durable"))
     train(tmp_path, "crash", shm_dir, *flags, "--kill-at", str(kill_at), expect=-9)
     resumed = train(tmp_path, "resume", shm_dir, *flags)
     source, part = expected
