@@ -92,6 +92,14 @@ class DurableDrainError(FlashpointError):
     """A durable checkpoint could not be drained from RAM; the previous durable checkpoint is intact."""
 
 
+class LocalCheckpointError(FlashpointError):
+    """A local checkpoint of NVRx's manager interface (ml_flashpoint_nemo.nvrx) could not be saved or loaded.
+
+    What ml_flashpoint_nemo.nvrx raises is a subclass that is also NVRx's CheckpointingException, so
+    code written for NVRx's own manager catches it as before.
+    """
+
+
 # The transfer service's errors are defined by the C++ core, which raises them; re-exported here
 # so that users catch them from one place. TransferError derives from FlashpointError (the core
 # looks it up here when it is imported, which is why this import comes last) and from OSError

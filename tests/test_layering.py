@@ -1,7 +1,7 @@
 """The package's layers, read from its source with ast: core imports nothing above it, no import cycles.
 
 Layers, lowest first: the top-level modules (errors, _lazy, the C++ _core), core/, then
-dcp/ and replication/, megatron/, and nemo/ and cli/ on top. A module may import its own
+dcp/ and replication/, megatron/, and nemo/, nvrx/ and cli/ on top. A module may import its own
 layer and those below (ALLOWED). Which imports count:
 - module-level imports and imports inside functions ("deferred") both count: a deferred
   import is a dependency as real as any other, it only runs later, and a cycle through it
@@ -31,6 +31,7 @@ ALLOWED: dict[str, set[str]] = {
     "replication": {"", "core", "replication"},
     "megatron": {"", "core", "dcp", "replication", "megatron"},
     "nemo": {"", "core", "dcp", "replication", "megatron", "nemo"},
+    "nvrx": {"", "core", "dcp", "replication", "megatron", "nvrx"},  # NVRx's manager interface, beside nemo
     "cli": {"", "core", "dcp", "cli"},
     "testing": {"", "testing"},  # CPU stand-ins for tests and examples: imported by nothing of the package
 }

@@ -27,7 +27,8 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=0)
     parser.add_argument("--durable-every", type=int, default=0, help="NeMo ModelCheckpoint interval; 0: none")
     parser.add_argument("--durable-dir", default=None, help="NeMoLogger dir of the durable checkpoints")
-    parser.add_argument("--route", choices=("none", "wrap", "callback_config"), default="wrap")
+    parser.add_argument("--route", choices=("none", "wrap", "callback_config", "nvrx"), default="wrap",
+                        help="nvrx: NeMo's LocalCheckpointCallback + hierarchical IO with our NVRx manager")
     parser.add_argument("--async-save", action="store_true", help="the strategy's ckpt_async_save (durable and RAM)")
     parser.add_argument("--csv-logger", default=None, help="give the trainer a Lightning CSVLogger writing here")
     parser.add_argument("--save-worker-up", action="store_true",
@@ -163,7 +164,7 @@ def main() -> None:
     if args.durable_every:
         log, checkpoint = tiny_gpt.make_checkpointing(args.durable_dir, args.durable_every)
         callbacks.append(checkpoint)
-        resume = FlashpointAutoResume(durable=tiny_gpt.make_resume())
+        resume = tiny_gpt.make_resume() if args.route == "nvrx" else FlashpointAutoResume(durable=tiny_gpt.make_resume())
     if args.drain_modelcheckpoint or args.plain_resume:  # never saves by itself before max_steps
         log, checkpoint = tiny_gpt.make_checkpointing(args.plain_resume or args.drain_log, 10**6)
         callbacks.append(checkpoint)
@@ -176,10 +177,21 @@ def main() -> None:
                                     ckpt_async_save=args.async_save, logger=logger)
     if args.route == "wrap":
         wrap_trainer_with_flashpoint(trainer, base_dir=args.base, **options)
+    local_io = None
+    if args.route == "nvrx":
+        from ml_flashpoint_nemo.nvrx import use_flashpoint_local_checkpoints
+
+        local_io = use_flashpoint_local_checkpoints(trainer, args.base, every_n_train_steps=args.every,
+                                                    keep=args.keep)
     llm.train(tiny_gpt.make_model(), tiny_gpt.make_data(), trainer, log=log, resume=resume)
     if trainer.global_rank != 0:
         return
     decision = getattr(trainer, "_flashpoint_resume", None)
+    if local_io is not None:  # what NeMo's hierarchical IO loaded: a local (RAM) version, the global one, or none
+        local = local_io.loaded_local_iteration
+        source = "ram" if local is not None else ("durable" if trainer.ckpt_path else "none")
+        path = str(local_io.local_ckpt_manager.layout.version_dir(local)) if local is not None else trainer.ckpt_path
+        decision = argparse.Namespace(source=source, path=path)
     flashpoint = getattr(trainer, "_flashpoint", None)
     result = {
         "losses": recorder.losses,

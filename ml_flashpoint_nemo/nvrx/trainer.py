@@ -1,0 +1,182 @@
+"""One call that puts FlashpointLocalCheckpointManager behind NeMo's LocalCheckpointCallback (docs/nvrx.md).
+
+NeMo 2's own wiring (``nemo.lightning.pytorch.local_ckpt.update_trainer_local_checkpoint_io``)
+builds NVRx's ``LocalCheckpointManager`` itself; ``use_flashpoint_local_checkpoints`` builds the
+same ``MCoreHierarchicalCheckpointIO`` around the strategy's checkpoint IO with our manager.
+
+Resuming with no global checkpoint: Lightning's ``_CheckpointConnector.resume_start`` returns
+before reading anything when the trainer has no checkpoint path, so the hierarchical IO's
+``load_checkpoint`` (the only place that asks the local manager) never runs. This module makes
+``resume_start`` ask the manager first (a collective, on every rank) and, when a local version
+exists, hand the trainer that version's directory as its path. NeMo's strategy reads the
+content metadata of the path it loads from the global checkpoint; for a local version it gets
+the strategy's own metadata, which is what the save used.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+from lightning.pytorch.trainer.states import TrainerFn
+from nemo.lightning.pytorch.local_ckpt import MCoreHierarchicalCheckpointIO
+from nemo.utils.callbacks.dist_ckpt_io import AsyncFinalizableCheckpointIO
+from nvidia_resiliency_ext.ptl_resiliency.local_checkpoint_callback import LocalCheckpointCallback
+
+from ml_flashpoint_nemo.nvrx.manager import FlashpointLocalCheckpointManager, LocalCheckpointingError
+from ml_flashpoint_nemo.replication.service import ReplicationConfig
+
+logger = logging.getLogger(__name__)
+
+_HOOK_MARK = "_flashpoint_local_resume"  # a function attribute on our resume_start
+
+
+def global_step_of(path: Any) -> int:
+    """The global step saved in a NeMo (global) checkpoint's common state; -1 when there is none to read."""
+    if not path:
+        return -1
+    from megatron.core import dist_checkpointing
+    from nemo.lightning.io.pl import ckpt_to_weights_subdir
+
+    return int(
+        dist_checkpointing.load_common_state_dict(str(ckpt_to_weights_subdir(path, is_saving=False)))["global_step"]
+    )
+
+
+class FlashpointHierarchicalCheckpointIO(MCoreHierarchicalCheckpointIO):
+    """NeMo's hierarchical IO whose local checkpoints are our manager's RAM versions.
+
+    ``loaded_local_iteration``: the local iteration the last load read, None when it read the
+    global checkpoint (or nothing yet).
+    """
+
+    local_ckpt_manager: FlashpointLocalCheckpointManager
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.loaded_local_iteration: int | None = None
+
+    def is_local_version(self, path: Any) -> bool:
+        """Whether `path` is a version directory of our manager (what a resume without global checkpoint loads)."""
+        if not path:
+            return False
+        return Path(path).absolute().parent == self.local_ckpt_manager.base_dir
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, **kwargs: Any) -> dict[str, Any]:
+        self.loaded_local_iteration = None
+        return super().load_checkpoint(path, map_location=map_location, **kwargs)
+
+    def from_tensor_aware_state_dict(
+        self, tensor_aware_checkpoint: Any, sharded_state_dict: Any = None, strict: Any = None
+    ) -> Any:
+        self.loaded_local_iteration = self.local_ckpt_manager.latest_iteration
+        return super().from_tensor_aware_state_dict(tensor_aware_checkpoint, sharded_state_dict, strict)
+
+
+def use_flashpoint_local_checkpoints(
+    trainer: Any,
+    root_local_ckpt_dir: str | os.PathLike[str],
+    *,
+    every_n_train_steps: int | None = None,
+    session_id: str = "",
+    keep: int = 1,
+    replication: ReplicationConfig | None = None,
+    get_global_ckpt_iteration_fn: Callable[[Any], int] | None = None,
+    **io_kwargs: Any,
+) -> FlashpointHierarchicalCheckpointIO:
+    """Save NeMo local checkpoints into RAM versions and resume from the newer of local and global.
+
+    Call once after building the trainer, before ``llm.train`` / ``trainer.fit``. Adds a
+    ``LocalCheckpointCallback(every_n_train_steps)`` unless the trainer has one; wraps the
+    strategy's checkpoint IO (its inner IO with ``ckpt_async_save``, as NeMo does) in a
+    hierarchical IO with our manager (``root_local_ckpt_dir``/``session_id``, ``keep``,
+    ``replication``); makes a restart without a global checkpoint resume from the newest local
+    version. ``get_global_ckpt_iteration_fn`` (default: the global step in the checkpoint's common
+    state) and ``io_kwargs`` (e.g. ``local_ckpt_algo``) go to ``MCoreHierarchicalCheckpointIO``.
+    """
+    strategy = trainer.strategy
+    checkpoint_io = strategy.checkpoint_io
+    wrapped = checkpoint_io.checkpoint_io if isinstance(checkpoint_io, AsyncFinalizableCheckpointIO) else checkpoint_io
+    if isinstance(wrapped, FlashpointHierarchicalCheckpointIO):
+        raise LocalCheckpointingError("the trainer already uses flashpoint local checkpoints: call this once")
+    callbacks = trainer.callbacks
+    add_callback = not any(isinstance(cb, LocalCheckpointCallback) for cb in callbacks)
+    if add_callback and (not isinstance(every_n_train_steps, int) or every_n_train_steps < 1):
+        raise LocalCheckpointingError(
+            "the trainer has no LocalCheckpointCallback: pass every_n_train_steps >= 1 "
+            f"(got {every_n_train_steps!r}) or add a LocalCheckpointCallback to its callbacks"
+        )
+    async_save = bool(getattr(strategy, "async_save", False))
+    if async_save:
+        if not isinstance(checkpoint_io, AsyncFinalizableCheckpointIO):
+            raise LocalCheckpointingError(
+                f"the strategy saves asynchronously but its checkpoint IO is a {type(checkpoint_io).__name__}, "
+                "not NeMo's AsyncFinalizableCheckpointIO: call this before anything else wraps it"
+            )
+        checkpoint_io = checkpoint_io.checkpoint_io
+    manager = FlashpointLocalCheckpointManager(root_local_ckpt_dir, session_id, keep=keep, replication=replication)
+    hierarchical = FlashpointHierarchicalCheckpointIO(
+        checkpoint_io,
+        manager,
+        _global_iteration_fn(get_global_ckpt_iteration_fn or global_step_of, manager),
+        async_save=async_save,
+        **io_kwargs,
+    )
+    if add_callback:  # only now: a bad argument above leaves the trainer as it was
+        callbacks.append(LocalCheckpointCallback(every_n_train_steps=every_n_train_steps))
+    strategy.checkpoint_io = AsyncFinalizableCheckpointIO(hierarchical) if async_save else hierarchical
+    _answer_content_metadata_of_local_versions(strategy, hierarchical)
+    _resume_from_local_without_global(trainer, hierarchical)
+    return hierarchical
+
+
+def _global_iteration_fn(read: Callable[[Any], int], manager: FlashpointLocalCheckpointManager) -> Callable[[Any], int]:
+    """The global iteration of `path`; -1 for a local version directory (no global checkpoint to compare)."""
+
+    def global_iteration(path: Any) -> int:
+        if path and Path(path).absolute().parent == manager.base_dir:
+            return -1
+        return read(path)
+
+    return global_iteration
+
+
+def _answer_content_metadata_of_local_versions(strategy: Any, io: FlashpointHierarchicalCheckpointIO) -> None:
+    """NeMo's strategy reads the content metadata from the checkpoint path before it loads; a local version
+    directory holds none, so it is answered with the strategy's own (what the local save was given)."""
+    inner = strategy.unwrapped_checkpoint_io
+    read = inner.load_content_metadata
+
+    def load_content_metadata(path: Any = None, preloaded_state_dict: Any = None) -> Any:
+        if io.is_local_version(path):
+            return strategy.sharded_state_dict_metadata
+        return read(path, preloaded_state_dict=preloaded_state_dict)
+
+    inner.load_content_metadata = load_content_metadata
+
+
+def _resume_from_local_without_global(trainer: Any, io: FlashpointHierarchicalCheckpointIO) -> None:
+    """Make the restore of a fit with no checkpoint path load the newest local version, if there is one."""
+    connector = trainer._checkpoint_connector
+    if getattr(connector.resume_start, _HOOK_MARK, False):
+        return
+    original: Callable[..., None] = connector.resume_start
+
+    def resume_start(checkpoint_path: Any = None) -> None:
+        if not checkpoint_path and trainer.state.fn == TrainerFn.FITTING:
+            manager = io.local_ckpt_manager
+            iteration = manager.find_latest()  # collective: every rank restores
+            if iteration >= 0:
+                checkpoint_path = str(manager.layout.version_dir(iteration))
+                logger.info(
+                    "No global checkpoint to resume from; resuming from local checkpoint iteration %d", iteration
+                )
+        original(checkpoint_path)
+
+    setattr(resume_start, _HOOK_MARK, True)
+    connector.resume_start = resume_start
+
+
+__all__ = ["FlashpointHierarchicalCheckpointIO", "global_step_of", "use_flashpoint_local_checkpoints"]
