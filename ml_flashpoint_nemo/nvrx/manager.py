@@ -34,6 +34,7 @@ from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.base_manager import
 from ml_flashpoint_nemo.core import lifecycle
 from ml_flashpoint_nemo.core.layout import CheckpointLayout, rank_of_object
 from ml_flashpoint_nemo.core.loader import load_version
+from ml_flashpoint_nemo.core.node_copies import NodeCopies
 from ml_flashpoint_nemo.core.saver import CheckpointSaver, StagedObject
 from ml_flashpoint_nemo.core.seal import seal_object
 from ml_flashpoint_nemo.core.topology import discover_nodes, gathered_on_coordinator, problems_of_every_rank
@@ -150,7 +151,7 @@ class FlashpointLocalCheckpointManager(BaseCheckpointManager):
         self.threads = threads or default_copy_threads()
         self._saver: CheckpointSaver | None = None
         self._replication: ReplicationService | None = None
-        self._nodes: Any = None  # megatron.strategies._NodeCopies, on several nodes only
+        self._nodes: NodeCopies | None = None  # the version files' copy per node, on several nodes only
         self._warmed = False
         self._close_lock = threading.Lock()
 
@@ -303,9 +304,7 @@ class FlashpointLocalCheckpointManager(BaseCheckpointManager):
             self.layout.ensure_writable()  # raises alike on every rank of a node: a bad root fails before any collective
             topology = discover_nodes(self.base_dir)
             if topology.node_count > 1:
-                from ml_flashpoint_nemo.megatron.strategies import _NodeCopies  # the version files' copy per node
-
-                self._nodes = _NodeCopies.discover(self.base_dir, None)
+                self._nodes = NodeCopies.discover(self.base_dir, None)
             self._replication = ReplicationService.start(self.base_dir, topology, self.replication_config)
         return self._replication.keep_for_next_save(self.keep)
 
