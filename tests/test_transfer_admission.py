@@ -26,7 +26,7 @@ from ml_flashpoint_nemo.core.layout import object_name, version_relpath
 from ml_flashpoint_nemo.core.topology import NodeTopology
 from ml_flashpoint_nemo.replication.service import LOOPBACK_PEERS, allowed_peer_addresses, is_loopback, transfer_policy
 from tests.support import transfer_peer as peer
-from tests.support.flood import SLOW_BYTES, Flood
+from tests.support.flood import SLOW_BYTES, Flood, wait_for
 from tests.support.multiproc import run_world
 
 SECRET = b"job-secret-0123456789abcdef"
@@ -84,17 +84,6 @@ def still_open(sock: socket.socket) -> bool:
     """Nothing arrived and no EOF: the server still holds the connection (checked without waiting)."""
     readable, _, _ = select.select([sock], [], [], 0)
     return not readable
-
-
-def wait_for(srv, what: str, predicate, timeout: float = 10.0) -> dict[str, int]:
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = srv.stats()
-        if predicate(stats):
-            return stats
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}; stats: {stats}")
-        time.sleep(0.01)
 
 
 def write_object(base: Path, rel: str, data: bytes) -> None:

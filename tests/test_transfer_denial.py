@@ -22,6 +22,7 @@ import pytest
 
 from ml_flashpoint_nemo import _core
 from tests.support import transfer_peer as peer
+from tests.support.flood import wait_for
 
 SECRET = b"job-secret-0123456789abcdef"
 HOST = "127.0.0.1"
@@ -53,17 +54,6 @@ def closed_by_server(sock: socket.socket) -> bool:
         return sock.recv(4096) == b""
     except OSError:
         return True
-
-
-def wait_for(srv, what: str, predicate, timeout: float = 10.0) -> dict[str, int]:
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = srv.stats()
-        if predicate(stats):
-            return stats
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}; stats: {stats}")
-        time.sleep(0.01)
 
 
 class IdleMembers:

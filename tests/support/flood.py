@@ -128,3 +128,15 @@ class Flood:
             for key in list(sel.get_map().values()):
                 key.fileobj.close()  # type: ignore[union-attr]
             sel.close()
+
+
+def wait_for(srv, what: str, predicate, timeout: float = 10.0) -> dict[str, int]:
+    """The server's stats once predicate(stats) holds, polled every 10 ms; AssertionError after timeout s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = srv.stats()
+        if predicate(stats):
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}; stats: {stats}")
+        time.sleep(0.01)
