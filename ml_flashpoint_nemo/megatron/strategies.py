@@ -226,7 +226,7 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
             problem = writer
         else:
             try:
-                signature = hash((node_identity(writer.layout.base_dir),
+                signature = hash((node_identity(writer.layout.base_dir), dist.get_rank(), dist.get_world_size(),
                                   tuple(_describe(v) for v in nested_values(sharded_state_dict))))
             except Exception as exc:  # noqa: BLE001 - shared with every rank below
                 problem = f"rank {dist.get_rank()}: describing the state failed: {type(exc).__name__}: {exc}"
@@ -274,6 +274,7 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         reuse_plan = self._structure_unchanged_on_every_rank(sharded_state_dict, writer, checkpoint_dir)
         assert isinstance(writer, _StagingWriter), "a problem was raised on every rank above"
         if not reuse_plan:
+            self._cached_plans = None  # planning that fails below must leave no older plan to be reused
             self._coordinator_items.new_plan()
         plan, items = self._coordinator_items.plan, self._coordinator_items
         self._base_dirs.add(writer.layout.base_dir)
@@ -404,6 +405,8 @@ def _finalize_save(writer: _StagingWriter, global_metadata: Metadata | None, rep
             commit_error = f"rank 0 commit: {type(exc).__name__}: {exc}"
     if not errors:
         errors = problems_of_every_rank(commit_error)
+    if errors and not compact:
+        items.full_report_failed(plan)  # the compact saves scheduled under this plan fail too; the next one plans
     if errors:
         raise FlashpointError(
             f"flashpoint save of step {writer.step} failed; the previous version is intact: " + "; ".join(errors)
