@@ -68,6 +68,13 @@ def test_a_damaged_newest_version_falls_back_to_the_older_one_on_every_rank(tmp_
     assert all(r["checked"] for r in results)
 
 
+def test_a_root_unusable_on_one_node_fails_the_save_on_every_rank_without_a_hang(tmp_path, base_dir):
+    results = job(tmp_path, base_dir, "save", "--unusable-root-rank", "1")
+    assert all("not usable on every rank" in r.get("error", "") for r in results), results
+    assert all("rank 1: BaseDirError" in r["error"] for r in results), results
+    assert not (base_dir / SESSION).exists() or committed_steps(CheckpointLayout(base_dir / SESSION)) == []
+
+
 def test_bad_arguments_are_refused_with_what_to_do_instead(base_dir):
     from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.base_manager import CheckpointingException
     from nvidia_resiliency_ext.checkpointing.local.replication.strategies import CliqueReplicationStrategy

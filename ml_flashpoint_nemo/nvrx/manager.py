@@ -301,7 +301,15 @@ class FlashpointLocalCheckpointManager(BaseCheckpointManager):
     def _keep_for_this_save(self) -> int:
         """Collective: the versions to keep, one more while the newest is not replicated (service started once)."""
         if self._replication is None:
-            self.layout.ensure_writable()  # raises alike on every rank of a node: a bad root fails before any collective
+            problem = None
+            try:
+                self.layout.ensure_writable()
+            except Exception as exc:  # noqa: BLE001 - one node's bad root must fail every rank, not hang the others
+                problem = f"rank {self.rank}: {type(exc).__name__}: {exc}"
+            failed = problems_of_every_rank(problem)
+            if failed:
+                raise LocalCheckpointingError("the local checkpoint directory is not usable on every rank; nothing "
+                                              "was saved: " + "; ".join(failed))
             topology = discover_nodes(self.base_dir)
             if topology.node_count > 1:
                 self._nodes = NodeCopies.discover(self.base_dir, None)

@@ -26,7 +26,7 @@ cpu_shims.install_for_checkpointing()
 import torch.distributed as dist  # noqa: E402
 from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict  # noqa: E402
 
-from ml_flashpoint_nemo.nvrx import FlashpointLocalCheckpointManager  # noqa: E402
+from ml_flashpoint_nemo.nvrx import FlashpointLocalCheckpointManager, LocalCheckpointingError  # noqa: E402
 from tests.support.megatron_scenarios import check_loaded, sharded_state  # noqa: E402
 
 
@@ -85,11 +85,19 @@ def main() -> None:
     parser.add_argument("--algo", choices=["atomic", "fully_parallel"], default="atomic")
     parser.add_argument("--saves", type=int, default=3)
     parser.add_argument("--kill-rank", type=int)
+    parser.add_argument("--unusable-root-rank", type=int)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    manager = FlashpointLocalCheckpointManager(args.base, session_id="job")
-    result = save_phase(manager, args) if args.phase == "save" else resume_phase(manager, args)
+    base = args.base
+    if dist.get_rank() == args.unusable_root_rank:  # this rank's root is a file: its node cannot save
+        base = str(Path(args.out, "a-file"))
+        Path(base).write_text("not a directory")
+    manager = FlashpointLocalCheckpointManager(base, session_id="job")
+    try:
+        result = save_phase(manager, args) if args.phase == "save" else resume_phase(manager, args)
+    except LocalCheckpointingError as exc:
+        result = {"error": str(exc)}
     Path(args.out, f"{args.phase}-rank-{dist.get_rank()}.json").write_text(json.dumps(result))
     manager.close()
     dist.barrier()
