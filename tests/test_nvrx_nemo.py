@@ -26,25 +26,44 @@ from quickstart import compare  # noqa: E402
 from tests.support.nemo_reference import link_reference  # noqa: E402
 from tests.test_nemo_e2e import train  # noqa: E402
 
+SESSION = "tiny-gpt"  # tests/support/nemo_train.py's session id for --route nvrx
+
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_local_checkpoint_without_global_resumes_from_ram_bit_exact(nemo_reference, tmp_path, shm_dir, async_save):
     """No global checkpoint at all: Lightning alone would restore nothing; the restart loads the newest RAM version.
 
-    With async saves, step 4's save is committed only if NeMo's queue finalized it before the SIGKILL after step 5.
+    With async saves, a save is committed only once NeMo's queue found its write done on every rank, at a later
+    step's end: on a loaded machine neither step 2's nor step 4's may be by the SIGKILL after step 5; the restart
+    must then start from scratch (and still match the uninterrupted run).
     """
     link_reference(nemo_reference, tmp_path)
     flags = ("--route", "nvrx", "--every", "2", *(["--async-save"] if async_save else []))
     train(tmp_path, "crash", shm_dir, *flags, "--kill-at", "5", expect=-9)
-    committed = committed_steps(CheckpointLayout(shm_dir))
-    assert committed in ([2, 4], [2]) if async_save else committed == [2, 4], committed  # retired at the next save
+    committed = committed_steps(CheckpointLayout(shm_dir / SESSION))
+    assert committed in ([2, 4], [2], []) if async_save else committed == [2, 4], committed  # retired at the next save
     resumed = train(tmp_path, "resume", shm_dir, *flags)
+    if not committed:
+        assert resumed["resumed_from"] == "none" and resumed["losses"][0][0] == 1, resumed
+        assert compare(tmp_path) == []
+        return
     newest = committed[-1]
     assert resumed["resumed_from"] == "ram" and resumed["resumed_path"].endswith(f"step-{newest}"), resumed
-    restoring = f"Restoring states from the checkpoint path at {shm_dir / f'step-{newest}'}"
+    restoring = f"Restoring states from the checkpoint path at {shm_dir / SESSION / f'step-{newest}'}"
     assert restoring in resumed["log"], resumed["log"][-3000:]
     assert [step for step, _ in resumed["losses"]][0] == newest + 1, resumed["losses"]
     assert compare(tmp_path) == []
+
+
+def test_without_resume_without_global_a_fit_with_no_global_checkpoint_starts_fresh(nemo_reference, tmp_path, shm_dir):
+    """The default: RAM versions of the session are left alone when NeMo has no checkpoint to resume (a new run)."""
+    link_reference(nemo_reference, tmp_path)
+    flags = ("--route", "nvrx", "--every", "2")
+    train(tmp_path, "crash", shm_dir, *flags, "--kill-at", "5", expect=-9)
+    assert committed_steps(CheckpointLayout(shm_dir / SESSION)) == [2, 4]
+    resumed = train(tmp_path, "resume", shm_dir, *flags, "--nvrx-resume-without-global", "0")
+    assert resumed["resumed_from"] == "none", resumed
+    assert [step for step, _ in resumed["losses"]][0] == 1, resumed["losses"]
 
 
 @pytest.mark.parametrize(
@@ -103,6 +122,7 @@ def test_the_call_wraps_the_strategys_io_as_nemos_own_wiring_does(wiring_checks)
         ("no_interval", "pass every_n_train_steps >= 1"),
         ("bad_session", "must be a plain directory name"),
         ("twice", "already uses flashpoint local checkpoints: call this once"),
+        ("resume_without_session", "needs a session_id that names this run"),
     ],
 )
 def test_bad_calls_raise_a_clear_error_and_leave_the_trainer_as_it_was(wiring_checks, check, message):

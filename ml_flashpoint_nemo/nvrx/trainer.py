@@ -84,6 +84,7 @@ def use_flashpoint_local_checkpoints(
     keep: int = 1,
     replication: ReplicationConfig | None = None,
     get_global_ckpt_iteration_fn: Callable[[Any], int] | None = None,
+    resume_without_global: bool = False,
     **io_kwargs: Any,
 ) -> FlashpointHierarchicalCheckpointIO:
     """Save NeMo local checkpoints into RAM versions and resume from the newer of local and global.
@@ -92,9 +93,12 @@ def use_flashpoint_local_checkpoints(
     ``LocalCheckpointCallback(every_n_train_steps)`` unless the trainer has one; wraps the
     strategy's checkpoint IO (its inner IO with ``ckpt_async_save``, as NeMo does) in a
     hierarchical IO with our manager (``root_local_ckpt_dir``/``session_id``, ``keep``,
-    ``replication``); makes a restart without a global checkpoint resume from the newest local
-    version. ``get_global_ckpt_iteration_fn`` (default: the global step in the checkpoint's common
-    state) and ``io_kwargs`` (e.g. ``local_ckpt_algo``) go to ``MCoreHierarchicalCheckpointIO``.
+    ``replication``). A restart loads the newer of NeMo's global checkpoint and the newest local
+    version. With ``resume_without_global`` a fit that NeMo gives no checkpoint path (no global
+    checkpoint yet) also resumes from the newest local version of ``session_id``, which must then
+    name this run: a fresh run in a reused root would otherwise continue another run's state.
+    ``get_global_ckpt_iteration_fn`` (default: the global step in the checkpoint's common state)
+    and ``io_kwargs`` (e.g. ``local_ckpt_algo``) go to ``MCoreHierarchicalCheckpointIO``.
     """
     strategy = trainer.strategy
     checkpoint_io = strategy.checkpoint_io
@@ -107,6 +111,11 @@ def use_flashpoint_local_checkpoints(
         raise LocalCheckpointingError(
             "the trainer has no LocalCheckpointCallback: pass every_n_train_steps >= 1 "
             f"(got {every_n_train_steps!r}) or add a LocalCheckpointCallback to its callbacks"
+        )
+    if resume_without_global and not session_id:
+        raise LocalCheckpointingError(
+            "resume_without_global=True needs a session_id that names this run (e.g. its experiment name): "
+            "without one, a fresh run in a reused root would resume another run's RAM versions"
         )
     async_save = bool(getattr(strategy, "async_save", False))
     if async_save:
@@ -128,7 +137,8 @@ def use_flashpoint_local_checkpoints(
         callbacks.append(LocalCheckpointCallback(every_n_train_steps=every_n_train_steps))
     strategy.checkpoint_io = AsyncFinalizableCheckpointIO(hierarchical) if async_save else hierarchical
     _answer_content_metadata_of_local_versions(strategy, hierarchical)
-    _resume_from_local_without_global(trainer, hierarchical)
+    if resume_without_global:
+        _resume_from_local_without_global(trainer, hierarchical)
     return hierarchical
 
 

@@ -27,6 +27,7 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=0)
     parser.add_argument("--durable-every", type=int, default=0, help="NeMo ModelCheckpoint interval; 0: none")
     parser.add_argument("--durable-dir", default=None, help="NeMoLogger dir of the durable checkpoints")
+    parser.add_argument("--nvrx-resume-without-global", type=int, choices=(0, 1), default=1)
     parser.add_argument("--route", choices=("none", "wrap", "callback_config", "nvrx"), default="wrap",
                         help="nvrx: NeMo's LocalCheckpointCallback + hierarchical IO with our NVRx manager")
     parser.add_argument("--async-save", action="store_true", help="the strategy's ckpt_async_save (durable and RAM)")
@@ -182,7 +183,8 @@ def main() -> None:
         from ml_flashpoint_nemo.nvrx import use_flashpoint_local_checkpoints
 
         local_io = use_flashpoint_local_checkpoints(trainer, args.base, every_n_train_steps=args.every,
-                                                    keep=args.keep)
+                                                    keep=args.keep, session_id="tiny-gpt",
+                                                    resume_without_global=args.nvrx_resume_without_global == 1)
     llm.train(tiny_gpt.make_model(), tiny_gpt.make_data(), trainer, log=log, resume=resume)
     if trainer.global_rank != 0:
         return

@@ -59,6 +59,9 @@ def main() -> None:
     t = trainer()
     checks["bad_session"] = outcome(t, lambda: use(t, base, every_n_train_steps=2, session_id="../other"))
     t = trainer()
+    checks["resume_without_session"] = outcome(t, lambda: use(t, base, every_n_train_steps=2,
+                                                             resume_without_global=True))
+    t = trainer()
     checks["sync"] = outcome(t, lambda: use(t, base, every_n_train_steps=2))
     checks["twice"] = outcome(t, lambda: use(t, base, every_n_train_steps=2))
     t = trainer(async_save=True)
