@@ -71,7 +71,6 @@ def test_without_resume_without_global_a_fit_with_no_global_checkpoint_starts_fr
     [
         ("local newer", 2, 3, 5, ("ram", "step-4")),  # local step 4, global step 3
         ("global newer", 4, 3, 7, ("durable", "step=5")),  # local step 4, global step 6 (NeMo names it step=5)
-        ("no global yet", 2, 6, 5, ("ram", "step-4")),  # the job's NeMo ModelCheckpoint has saved nothing yet
     ],
 )
 def test_resume_loads_the_newer_of_local_and_global(
