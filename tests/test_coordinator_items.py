@@ -46,30 +46,13 @@ def test_compact_reports_rebuild_the_full_write_records_of_the_plan():
     assert [[r.index for r in per] for per in rebuilt] == [[r.index for r in per] for per in full]
 
 
-def test_a_new_plan_counts_as_known_while_its_full_report_is_on_its_way_and_not_after_it_failed():
-    """Saves overlap: the next save may reuse the plan before the save that made it finalized (in order)."""
+def test_a_new_plan_makes_the_items_unknown_until_its_full_report():
     items = CoordinatorItems()
     planned(items)
     items.new_plan()
-    assert items.known()  # its full report is scheduled: the next save may already send compact reports
-    items.full_report_failed(items.plan - 1)  # another plan's failure changes nothing
-    assert items.known()
-    items.full_report_failed(items.plan)
-    assert not items.known()  # rank 0 votes "changed": the next save plans afresh
-    with pytest.raises(FlashpointError, match="lacks the items of save plan 2"):
-        items.full_results([None, None, None], compact=True, plan=items.plan)  # a compact save scheduled meanwhile
-
-
-def test_overlapping_saves_rebuild_from_the_full_report_that_finalized_first():
-    items = CoordinatorItems()
-    items.new_plan()
-    plan = items.plan
-    assert items.known()  # save 2 is scheduled compact before save 1 finalized
-    full = [full_report(r, 5) for r in range(3)]
-    items.full_results(full, compact=False, plan=plan)  # save 1 finalizes
-    rebuilt = items.full_results([compact_report(results) for results in full], compact=True, plan=plan)
-    assert [[r.storage_data for r in per] for per in rebuilt] == [[r.storage_data for r in per] for per in full]
-    assert items.known()
+    assert not items.known()
+    with pytest.raises(FlashpointError, match="no longer holds the items of save plan 2"):
+        items.full_results([None, None, None], compact=True, plan=items.plan)
 
 
 def test_a_late_full_report_of_an_older_plan_is_not_kept():
@@ -78,8 +61,7 @@ def test_a_late_full_report_of_an_older_plan_is_not_kept():
     old = items.plan
     items.new_plan()  # the next save planned before the older one finalized
     items.full_results([full_report(r, 5) for r in range(3)], compact=False, plan=old)
-    items.full_report_failed(items.plan)
-    assert not items.known()  # plan 1's items were not taken for plan 2's
+    assert not items.known()
 
 
 @pytest.mark.parametrize("bad", ["record where none was", "none where a record was", "not a record"])
@@ -101,6 +83,6 @@ def test_a_compact_report_that_does_not_match_the_plan_fails_the_save_and_forget
 def test_a_compact_report_from_more_ranks_than_the_plan_had_fails():
     items = CoordinatorItems()
     planned(items)
-    with pytest.raises(FlashpointError, match="lacks the items"):
+    with pytest.raises(FlashpointError, match="no longer holds"):
         items.full_results([None] * 4, compact=True, plan=items.plan)
     assert not items.known()

@@ -30,56 +30,39 @@ def compact_report(results: list[WriteResult]) -> ObjectRecord | None:
 class CoordinatorItems:
     """Rank 0's copy of every rank's items, tied to the plan they were reported under.
 
-    plan counts the plans this strategy made. A save made under plan g may send compact reports
-    once g's full report is kept or on its way: saves may overlap (the next one scheduled before
-    the previous one finalized), and they finalize in order, so the full report of g is kept
-    before any compact report of g is rebuilt. If that full report fails, the compact saves
-    already scheduled under g fail too, on every rank, and the next save plans afresh. Reports
-    of an older plan that arrive late (an earlier save finalizing after the next one planned)
-    are not kept.
+    plan counts the plans this strategy made; a save made under plan g may send compact reports
+    only if known(g) held when every rank agreed to reuse the plan. Reports of an older plan that
+    arrive late (an earlier save finalizing after the next one planned) are not kept.
     """
 
     def __init__(self) -> None:
         self.plan = 0
         self._kept: tuple[int, list[PlannedItems | None]] | None = None
-        self._pending: int | None = None  # the plan whose full report is scheduled and not yet finalized
 
     def new_plan(self) -> None:
         self.plan += 1
-        self._pending = self.plan
 
     def known(self) -> bool:
-        """Whether rank 0 holds, or will hold before it is needed, every rank's items under the current plan."""
-        return (self._kept is not None and self._kept[0] == self.plan) or self._pending == self.plan
-
-    def full_report_failed(self, plan: int) -> None:
-        """The save that carried plan's full report failed: compact reports of it cannot be rebuilt."""
-        if self._pending == plan:
-            self._pending = None
+        """Whether rank 0 holds every rank's items under the current plan."""
+        return self._kept is not None and self._kept[0] == self.plan
 
     def full_results(self, gathered: list[Any], *, compact: bool, plan: int) -> list[list[WriteResult]]:
         """Rank 0: every rank's write records, rebuilt from compact reports or kept from full ones."""
         if not compact:
             if plan == self.plan:
                 self._kept = (plan, [_items_of(results) for results in gathered])
-            if self._pending == plan:
-                self._pending = None
             return gathered
         if self._kept is None or self._kept[0] != plan or len(self._kept[1]) != len(gathered):
-            self._forget()
+            self._kept = None
             raise FlashpointError(
-                f"rank 0 lacks the items of save plan {plan}, which this save reused: the save that made the plan "
-                "failed or was dropped. Nothing of this save was committed; the next save plans afresh."
+                f"rank 0 no longer holds the items of save plan {plan} that this save reused; the next save plans "
+                "afresh. Report this: it is a bug in ml_flashpoint_nemo."
             )
         try:
             return [_rebuilt(rank, record, items) for rank, (record, items) in enumerate(zip(gathered, self._kept[1]))]
         except FlashpointError:
-            self._forget()
+            self._kept = None
             raise
-
-    def _forget(self) -> None:
-        self._kept = None
-        self._pending = None
 
 
 def _items_of(results: list[WriteResult]) -> PlannedItems | None:

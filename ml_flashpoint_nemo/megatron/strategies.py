@@ -405,8 +405,6 @@ def _finalize_save(writer: _StagingWriter, global_metadata: Metadata | None, rep
             commit_error = f"rank 0 commit: {type(exc).__name__}: {exc}"
     if not errors:
         errors = problems_of_every_rank(commit_error)
-    if errors and not compact:
-        items.full_report_failed(plan)  # the compact saves scheduled under this plan fail too; the next one plans
     if errors:
         raise FlashpointError(
             f"flashpoint save of step {writer.step} failed; the previous version is intact: " + "; ".join(errors)

@@ -233,9 +233,6 @@ def overlapping_saves_each_get_their_report(p: dict[str, Any]) -> None:
     queue.maybe_finalize_async_calls(blocking=True)  # raises if any of the three saves failed
     assert committed_steps(CheckpointLayout(p["base"]))[-1] == 3
     check_loaded(load(p, 3), 3)
-    # saves 2 and 3 reused the plan of save 1 (and sent rank 0 their object records alone) although it had not
-    # finalized when they were scheduled
-    assert strategy._coordinator_items.plan == 1, strategy._coordinator_items.plan
     queue.close()
     strategy.close()
 
