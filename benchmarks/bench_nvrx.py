@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -34,16 +33,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 MANAGERS = ("flashpoint", "nvrx", "nvrx_clique")
 TENSORS_PER_RANK = 8
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 # --- one rank ------------------------------------------------------------------------------------
@@ -141,6 +130,8 @@ def main() -> None:
         rank_main(args)
         return
     sys.path.insert(0, str(REPO / "examples"))
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from bench_scale import cpu_model
     from launch import launch_ranks
 
     work = Path(tempfile.mkdtemp(prefix="bench-nvrx-", dir=args.root))

@@ -30,6 +30,15 @@ def shm_dir(base_dir: Path) -> Path:
 
 
 @pytest.fixture
+def dirs(shm_dir: Path) -> tuple[Path, Path]:
+    """(server base, client base) for the transfer tests; a test file may define its own."""
+    server, client = shm_dir / "server", shm_dir / "client"
+    server.mkdir()
+    client.mkdir()
+    return server, client
+
+
+@pytest.fixture
 def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A real 16 MiB tmpfs. Needs root (CI runs as root); skipped otherwise."""
     with mounted_tmpfs(tmp_path / "small-tmpfs", "16m") as mount_point:

@@ -26,7 +26,7 @@ from ml_flashpoint_nemo.core.layout import object_name, version_relpath
 from ml_flashpoint_nemo.core.topology import NodeTopology
 from ml_flashpoint_nemo.replication.service import LOOPBACK_PEERS, allowed_peer_addresses, is_loopback, transfer_policy
 from tests.support import transfer_peer as peer
-from tests.support.flood import SLOW_BYTES, Flood, wait_for
+from tests.support.flood import SLOW_BYTES, Flood, connect_from, wait_for
 from tests.support.multiproc import run_world
 
 SECRET = b"job-secret-0123456789abcdef"
@@ -41,14 +41,6 @@ HELLO = peer.MAGIC + struct.pack("<II", peer.VERSION, 0) + bytes(32)
 
 
 @pytest.fixture
-def dirs(shm_dir: Path) -> tuple[Path, Path]:
-    server, client = shm_dir / "server", shm_dir / "client"
-    server.mkdir()
-    client.mkdir()
-    return server, client
-
-
-@pytest.fixture
 def enough_fds():
     """The flood holds hundreds of sockets on both ends in this process: raise the soft limit if needed."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -59,14 +51,6 @@ def enough_fds():
         resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
     yield
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-
-
-def connect_from(source: str, port: int, timeout: float = 5.0) -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.settimeout(timeout)
-    sock.bind((source, 0))
-    sock.connect((HOST, port))
-    return sock
 
 
 def closed_without_a_word(sock: socket.socket, timeout: float = 5.0) -> bool:

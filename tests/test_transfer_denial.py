@@ -22,28 +22,12 @@ import pytest
 
 from ml_flashpoint_nemo import _core
 from tests.support import transfer_peer as peer
-from tests.support.flood import wait_for
+from tests.support.flood import connect_from, wait_for
 
 SECRET = b"job-secret-0123456789abcdef"
 HOST = "127.0.0.1"
 MEMBER = "127.0.0.3"  # the node of the hostile rank
 KiB, MiB = 1 << 10, 1 << 20
-
-
-@pytest.fixture
-def dirs(shm_dir: Path) -> tuple[Path, Path]:
-    server, client = shm_dir / "server", shm_dir / "client"
-    server.mkdir()
-    client.mkdir()
-    return server, client
-
-
-def connect_from(source: str, port: int, timeout: float = 5.0) -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.settimeout(timeout)
-    sock.bind((source, 0))
-    sock.connect((HOST, port))
-    return sock
 
 
 def closed_by_server(sock: socket.socket) -> bool:

@@ -140,3 +140,12 @@ def wait_for(srv, what: str, predicate, timeout: float = 10.0) -> dict[str, int]
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}; stats: {stats}")
         time.sleep(0.01)
+
+
+def connect_from(source: str, port: int, timeout: float = 5.0, host: str = "127.0.0.1") -> socket.socket:
+    """A TCP connection to host:port from the local address `source` (any 127.x on Linux loopback)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    sock.bind((source, 0))
+    sock.connect((host, port))
+    return sock
