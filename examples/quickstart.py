@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -139,6 +140,10 @@ def report(out: Path, args: argparse.Namespace, problems: list[str]) -> None:
     for save in saves:
         print(f"  step {int(save['step']):3d}: training blocked {save['flashpoint/blocking_s'] * 1e3:7.1f} ms, "
               f"{save['flashpoint/bytes'] / 1e6:6.2f} MB, {save['flashpoint/gbps']:.2f} GB/s")
+    stalls = sorted(save["flashpoint/blocking_s"] * 1e3 for save in saves)
+    if stalls:
+        print(f"  stall per save: median {statistics.median(stalls):.1f} ms over {len(stalls)} saves "
+              f"(max {stalls[-1]:.1f} ms)")
     print(f"  recovery: resumed from RAM step {resumed['resumed_step']} in {resumed['restore_seconds']:.2f} s "
           "(choosing the version on every rank + reading it)")
     steps = [s for s, _ in resumed["losses"]]

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from ml_flashpoint_nemo.core import committed_steps
+from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from tests.support.fork_server import nemo_popen
 from tests.support.multiproc import REPO
 
@@ -47,6 +49,7 @@ def test_quickstart_recovers_from_ram_bit_exact(tmp_path):
     assert "PASS: training after the crash matches the uninterrupted run bit for bit" in done.stdout
     # step 6 if its async save was finalized before the SIGKILL after step 8, else step 3 (a busy machine)
     assert re.search(r"resumed from RAM step [36] ", done.stdout), done.stdout[-2000:]
+    assert re.search(r"stall per save: median \d+\.\d ms over \d+ saves", done.stdout), done.stdout[-2000:]
 
 
 @pytest.mark.parametrize(
@@ -96,6 +99,15 @@ def test_restart_on_two_nodes_loads_in_parallel_from_what_each_rank_saved(nemo_r
     assert resumed["resumed_from"] == "ram" and resumed["resumed_path"].endswith("step-4"), resumed["resumed_path"]
     assert resumed["parallel_loads"] == 1, resumed["parallel_loads"]
     assert compare(tmp_path) == []
+
+
+def test_async_save_of_a_step_commits_before_the_next_optimizer_step(tmp_path, shm_dir):
+    """A save every step: step 4's save commits during step 5 (before its optimizer step), so the SIGKILL after
+    step 5 (the first batch-end callback) finds it committed, not step 3's. Each rank waits until its write is
+    sealed before the optimizer step, so the outcome depends on the callbacks' hooks alone."""
+    flags = ("--every", "1", "--async-save", "--save-worker-up", "--sealed-before-optimizer")
+    train(tmp_path, "crash", shm_dir, *flags, "--kill-at", "5", steps=6, expect=-9)
+    assert committed_steps(CheckpointLayout(shm_dir))[-1] == 4, committed_steps(CheckpointLayout(shm_dir))
 
 
 def test_corrupted_ram_version_falls_back_to_the_older_one_with_a_warning(nemo_reference, tmp_path, shm_dir):

@@ -1,8 +1,8 @@
 """FlashpointCallback: when to take a RAM checkpoint, and what each one cost.
 
 Saves every `every_n_steps` optimizer steps, except at steps where a ModelCheckpoint
-saves the durable checkpoint anyway; finalizes finished saves without blocking on each
-batch and blocking at the end of training; reports each committed save through the
+saves the durable checkpoint anyway; finalizes finished saves without blocking before each
+optimizer step and after each batch, and blocking at the end of training; reports each committed save through the
 trainer's logger (blocking seconds, bytes, GB/s, committed step and, across nodes, the newest
 version replicated everywhere and how many ranks' newest is under-replicated). Added to a trainer's
 callbacks (e.g. as run.Config(FlashpointCallback, ...) in a recipe), it wires the trainer
@@ -95,6 +95,15 @@ class FlashpointCallback(Callback):
         step = trainer.global_step
         if self.should_save(trainer, step):
             self.save(trainer, step)
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        """Commit the previous step's save here, once the next step's forward and backward ran, not a step later.
+
+        Its background sealing is then usually done, so a crash before this step's end loses at most
+        this step: with a save every step, a SIGKILL after step S resumes from S or S-1.
+        """
+        if self.io is not None:
+            self._finalize(trainer, blocking=False)
 
     def save(self, trainer: Any, step: int) -> None:
         """Take a RAM checkpoint of the current state as version `step` (every rank must call it)."""

@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,9 @@ def main() -> None:
     parser.add_argument("--save-worker-up", action="store_true",
                         help="train only once the persistent save worker is up, as a job whose first save comes "
                              "minutes after set-up has it (this tiny model saves within a second of starting)")
+    parser.add_argument("--sealed-before-optimizer", action="store_true",
+                        help="each optimizer step first waits (bounded) until this rank's pending RAM saves are sealed, "
+                             "so that when a save commits depends on the callbacks' hooks, not on the machine's speed")
     parser.add_argument("--dump-resumed-state", action="store_true",
                         help="rank 0 writes the state it starts training from (after a resume) to resumed_state.pt")
     parser.add_argument("--drain-every", type=int, default=0, help="durable_every_n_steps (drained from RAM); 0: off")
@@ -81,14 +85,26 @@ def main() -> None:
             queue = trainer._flashpoint.io.flashpoint_queue
             assert queue.worker_ready(timeout=120), "the persistent save worker did not come up in 120 s"
 
+    class SealedBeforeOptimizer(pl.Callback):
+        """Placed before FlashpointCallback, whose own on_before_optimizer_step then finds the writes done."""
+
+        def on_before_optimizer_step(self, trainer: Any, *unused: Any) -> None:
+            queue = trainer._flashpoint.io.flashpoint_queue
+            deadline = time.monotonic() + 120
+            while queue.async_calls:
+                caller = queue.async_calls[0].async_caller  # the persistent worker's, shared by every call
+                # completions it reported, looked at without taking them (Megatron's collective check takes them)
+                if (caller.cur_item is not None) + caller.comp_q.qsize() >= len(queue.async_calls):
+                    return
+                assert time.monotonic() < deadline, "this rank's pending RAM saves were not sealed in 120 s"
+                time.sleep(0.01)
+
     class DumpResumedState(pl.Callback):
         def on_train_start(self, trainer: Any, *unused: Any) -> None:
             if trainer.global_rank == 0:
                 torch.save({"model": tiny_gpt.model_state_dict(trainer), "step": trainer.global_step,
                             "optimizer": quickstart.flat_tensors(trainer.strategy.optimizers[0].state_dict())},
                            Path(args.out) / "resumed_state.pt")
-
-    import time
 
     def drain_idle(trainer: Any) -> None:
         drain = trainer._flashpoint.callback.drain
@@ -154,6 +170,7 @@ def main() -> None:
         callbacks.append(DrainEvents())
     callbacks += [SaveWorkerUp()] if args.save_worker_up else []
     callbacks += [DumpResumedState()] if args.dump_resumed_state else []
+    callbacks += [SealedBeforeOptimizer()] if args.sealed_before_optimizer else []
     options: dict[str, Any] = {"every_n_steps": args.every, "keep": args.keep}
     if args.drain_every:
         options.update(durable_every_n_steps=args.drain_every, durable_bytes_per_s=args.drain_rate,
