@@ -100,6 +100,15 @@ def test_a_dead_persistent_worker_fails_its_save_everywhere_instead_of_hanging(b
     assert "rank 1: its persistent save worker" in outputs[0] and "exited with code -9" in outputs[0], outputs[0]
 
 
+def test_a_due_save_is_deferred_while_the_previous_one_is_sealing_then_taken(base_dir):
+    outputs = run_world("megatron_scenarios", "a_due_save_waits_while_one_is_sealing", 2, {"base": str(base_dir)},
+                        timeout=150)
+    for output in outputs:  # every rank decides alike (the count of saves in flight is the same everywhere)
+        assert "DECISIONS 2:True 3:False 4:False 5:False 5:True DEFERRED 1" in output, output
+        assert "OUTCOMES 2:ok" in output, output
+    assert committed_steps(CheckpointLayout(base_dir)) == [2]
+
+
 def test_a_hung_worker_fails_its_save_everywhere_within_the_timeout(base_dir):
     outputs = run_world("megatron_scenarios", "hung_worker_fails_its_save_within_the_timeout", 2,
                         {"base": str(base_dir)}, timeout=150)

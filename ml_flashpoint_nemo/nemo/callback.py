@@ -51,6 +51,8 @@ class FlashpointCallback(Callback):
         self.io: FlashpointCheckpointIO | None = None  # the trainer's, set when wired
         self._blocking: dict[int, float] = {}
         self._last_saved_step: int | None = None
+        self._save_owed = False  # a due save was deferred while earlier ones were sealing
+        self.deferred_saves = 0  # how many due saves were taken late (or not at all) for that reason
         self.saves: list[dict[str, Any]] = []  # every reported save, for whoever wants the numbers
         self.drain: DurableDrain | None = None  # this rank's, while training with durable_every_n_steps
         self._durable_names: dict[int, str] = {}  # RAM step -> its durable checkpoint's NeMo name
@@ -81,12 +83,25 @@ class FlashpointCallback(Callback):
         return False
 
     def should_save(self, trainer: Any, step: int) -> bool:
+        """Every every_n_steps steps; a save due while max_saves_in_flight are still sealing is taken at the first
+        later step where fewer are (never queued: each queued save would hold a buffer of the state's size)."""
         settings = self.settings
         if settings is None or not settings.enabled or step <= 0 or step == self._last_saved_step:
             return False
-        if step % settings.every_n_steps != 0:
+        if step % settings.every_n_steps != 0 and not self._save_owed:
             return False
-        return not (settings.skip_durable_steps and self._durable_saves_at(trainer, step))
+        if settings.skip_durable_steps and self._durable_saves_at(trainer, step):
+            self._save_owed = False  # the durable checkpoint of this step is newer than the owed save
+            return False
+        if self.io is not None and self.io.saves_in_flight() >= settings.max_saves_in_flight:
+            if not self._save_owed:
+                self.deferred_saves += 1
+                logger.debug("Flashpoint save of step %d deferred: %d earlier save(s) still sealing", step,
+                             self.io.saves_in_flight())
+            self._save_owed = True
+            return False
+        self._save_owed = False
+        return True
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.io is None:
@@ -314,6 +329,7 @@ class FlashpointCallback(Callback):
             "flashpoint/staging_s": outcome.staging_s,
             "flashpoint/bytes": float(outcome.nbytes),
             "flashpoint/gbps": outcome.nbytes / blocking / 1e9 if blocking > 0 else 0.0,
+            "flashpoint/deferred_saves": float(self.deferred_saves),
         }
         numbers.update(self._replication_numbers())
         if self.drain is not None:

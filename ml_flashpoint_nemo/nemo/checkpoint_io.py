@@ -203,6 +203,10 @@ class FlashpointCheckpointIO(AsyncFinalizableCheckpointIO):
         lifecycle.register(self, _close_dropping_saves, first=True)  # again, in case it was closed and is used once more
         self.flashpoint_queue.schedule_async_request(request)
 
+    def saves_in_flight(self) -> int:
+        """RAM saves scheduled and not yet finalized: the same on every rank (both are collective)."""
+        return len(self._pending)
+
     def begin_fit(self) -> None:
         """A fit starts with this IO (main thread, at trainer set-up): it counts as open again, and the
         persistent save worker is spawned now, so that it boots while the model is built (no-op when it runs

@@ -33,6 +33,7 @@ class FlashpointOptions:
     checksum: bool = True
     persistent_worker: bool = True  # one spawned worker for every save; False: a fork per save (blocks longer)
     worker_timeout_s: float = 600.0  # a background write not done by then is stopped and fails on every rank
+    max_saves_in_flight: int = 1  # a due save waits (untaken) while this many are still sealing: RAM stays bounded
     parallel_save: bool = True  # spread replicated tensors over the data-parallel ranks
     enabled: bool = True
     resume: bool = True
@@ -49,7 +50,7 @@ class FlashpointOptions:
         return {name: getattr(self, name) for name in FlashpointOptions.__dataclass_fields__}
 
     def check(self) -> None:
-        for name in ("every_n_steps", "keep", "replication_factor"):
+        for name in ("every_n_steps", "keep", "replication_factor", "max_saves_in_flight"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise TrainerSetupError(f"flashpoint option {name} must be an integer >= 1, got {value!r}")
@@ -107,6 +108,7 @@ class FlashpointOptionValues(TypedDict, total=False):
     checksum: bool
     persistent_worker: bool
     worker_timeout_s: float
+    max_saves_in_flight: int
     parallel_save: bool
     enabled: bool
     resume: bool

@@ -338,6 +338,46 @@ def hung_worker_fails_its_save_within_the_timeout(p: dict[str, Any]) -> None:
     close_and_report(io, p, loaded_step=3)
 
 
+def a_due_save_waits_while_one_is_sealing(p: dict[str, Any]) -> None:
+    """Rank 1's forked worker of step 2 seals only once released: the callback takes no save while it is in
+    flight (steps 4 and 5, every 2 steps, max_saves_in_flight=1), then takes the owed one at step 5."""
+    from types import SimpleNamespace
+
+    from ml_flashpoint_nemo.core import save_worker
+    from ml_flashpoint_nemo.nemo.callback import FlashpointCallback
+
+    io = nemo_io(p, persistent_worker=False, every_n_steps=2)
+    callback = FlashpointCallback()
+    callback.attach(io.settings, io)
+    trainer = SimpleNamespace(callbacks=[])  # should_save reads only the trainer's callbacks (no ModelCheckpoint)
+    released = Path(p["base"]) / "release-seal"
+    sealing = save_worker.seal_object
+
+    def seal_once_released(job: Any, threads: int) -> Any:
+        deadline = time.monotonic() + 120
+        while not released.exists():
+            assert time.monotonic() < deadline, "the test never released the seal"
+            time.sleep(0.01)
+        return sealing(job, threads)
+
+    if dist.get_rank() == 1:
+        save_worker.seal_object = seal_once_released  # inherited by the forked worker
+    decisions = []
+    for step in (2, 3, 4, 5):
+        decisions.append(f"{step}:{callback.should_save(trainer, step)}")
+        if decisions[-1].endswith("True"):
+            save_through(io, p, step)
+        io.finalize_flashpoint(blocking=False)
+    save_worker.seal_object = sealing
+    if dist.get_rank() == 1:
+        released.touch()
+    io.finalize_flashpoint(blocking=True)
+    decisions.append(f"5:{callback.should_save(trainer, 5)}")
+    print("DECISIONS", " ".join(decisions), "DEFERRED", callback.deferred_saves, flush=True)
+    io.close(finalize=True)
+    print_outcomes(io, p)
+
+
 def saves_fork_until_the_persistent_worker_is_up(p: dict[str, Any]) -> None:
     """The IO starts its persistent worker at set-up; a save made while it boots forks a worker of its own,
     the saves after it is up run on it; all finalize in order, the newest loads bit-exactly, close stops it."""
@@ -622,6 +662,7 @@ if __name__ == "__main__":
                                            saves_fork_until_the_persistent_worker_is_up,
                                            worker_dead_while_booting_leaves_saves_to_forks,
                                            hung_worker_fails_its_save_within_the_timeout,
+                                           a_due_save_waits_while_one_is_sealing,
                                            only_common_state_round_trips_as_with_torch_dist,
                                            writer_fails_on_one_rank,
                                            uninspectable_worker_fails_its_save_everywhere)})
