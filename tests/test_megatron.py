@@ -109,6 +109,20 @@ def test_a_due_save_is_deferred_while_the_previous_one_is_sealing_then_taken(bas
     assert committed_steps(CheckpointLayout(base_dir)) == [2]
 
 
+def test_overlapped_capture_makes_the_optimizer_step_wait_and_saves_the_state_before_it(base_dir):
+    outputs = run_world("megatron_scenarios", "overlapped_capture_holds_the_optimizer_step", 2,
+                        {"base": str(base_dir), "delay_s": 1.5}, timeout=150)
+    for output in outputs:
+        for step in (1, 2, 3):
+            returned, waited = map(float, re.search(rf"STEP {step} save returned in ([\d.]+)s, optimizer step "
+                                                     r"waited ([\d.]+)s", output).groups())
+            assert returned + waited >= 1.5, output  # the step came after the copy, which took >= 1.5 s
+            assert step == 1 or returned < 1.5, output  # and the save did not wait for it (the first one starts up)
+        assert "SAVE 2 FAILED: FlashpointError" in output and "background copy failed" in output, output
+        assert "EXACT True CHANGED True" in output, output
+    assert committed_steps(CheckpointLayout(base_dir)) == [1, 3]
+
+
 def test_a_hung_worker_fails_its_save_everywhere_within_the_timeout(base_dir):
     outputs = run_world("megatron_scenarios", "hung_worker_fails_its_save_within_the_timeout", 2,
                         {"base": str(base_dir)}, timeout=150)

@@ -101,13 +101,19 @@ def test_restart_on_two_nodes_loads_in_parallel_from_what_each_rank_saved(nemo_r
     assert compare(tmp_path) == []
 
 
-def test_async_save_of_a_step_commits_before_the_next_optimizer_step(tmp_path, shm_dir):
-    """A save every step: step 4's save commits during step 5 (before its optimizer step), so the SIGKILL after
-    step 5 (the first batch-end callback) finds it committed, not step 3's. Each rank waits until its write is
-    sealed before the optimizer step, so the outcome depends on the callbacks' hooks alone."""
-    flags = ("--every", "1", "--async-save", "--save-worker-up", "--sealed-before-optimizer")
-    train(tmp_path, "crash", shm_dir, *flags, "--kill-at", "5", steps=6, expect=-9)
+def test_overlapped_save_every_step_commits_before_the_next_optimizer_step_and_resumes_exact(
+        nemo_reference, tmp_path, shm_dir):
+    """A save every step with overlap_capture: step 4's save commits during step 5 (before its optimizer step),
+    so the SIGKILL after step 5 (the first batch-end callback) finds it committed, not step 3's; the restart
+    from it matches the uninterrupted run bit for bit, although each save's copy overlapped the next step.
+    Each rank waits until its write is sealed before the optimizer step, so the commit depends on the hooks."""
+    link_reference(nemo_reference, tmp_path)
+    flags = ("--every", "1", "--async-save", "--save-worker-up", "--sealed-before-optimizer", "--overlap-capture")
+    train(tmp_path, "crash", shm_dir, *flags, "--kill-at", "5", expect=-9)
     assert committed_steps(CheckpointLayout(shm_dir))[-1] == 4, committed_steps(CheckpointLayout(shm_dir))
+    resumed = train(tmp_path, "resume", shm_dir, *flags)
+    assert resumed["resumed_from"] == "ram" and resumed["resumed_path"].endswith("step-4"), resumed["resumed_path"]
+    assert compare(tmp_path) == []
 
 
 def test_corrupted_ram_version_falls_back_to_the_older_one_with_a_warning(nemo_reference, tmp_path, shm_dir):

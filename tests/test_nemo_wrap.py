@@ -46,6 +46,12 @@ def test_wrapping_twice_changes_nothing_and_wraps_the_durable_io(checks):
     assert checks["TWICE"] == "same_callback True one_callback True io_wraps_durable True", checks
 
 
+def test_overlap_capture_is_refused_with_writes_no_wait_can_guard(checks):
+    ema, moe = checks["OVERLAP_REFUSED"].split(" | ")
+    assert ema.startswith("TrainerSetupError") and "EMA callback" in ema, ema
+    assert moe.startswith("TrainerSetupError") and "moe_router_enable_expert_bias" in moe, moe
+
+
 def test_default_base_dir_comes_from_the_job_id(checks):
     assert checks["JOB_ID_BASE"] == "/dev/shm/ml_flashpoint/4242"
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import multiprocessing.synchronize
 import os
+import queue
 import sys
 from typing import Any, Callable, NamedTuple
 
@@ -33,17 +34,27 @@ class SaveCall(NamedTuple):
     kwargs: dict[str, Any]
 
 
-def seal_and_report(job: SealJob, threads: int, report_queue: Any, token: str, trainer_pid: int) -> None:
+def seal_and_report(job: SealJob, threads: int, report_queue: Any, token: str, trainer_pid: int,
+                    copy_outcome: Any = None) -> None:
     """The save's background function: seal the staged object, then report the outcome under token; never raises.
 
     Runs in the trainer (sync saves), in a forked worker or in the persistent worker; the
     trainer's finalize reads the report (megatron/worker_reports.py). A worker process ties
     its life to the trainer first, so that it cannot outlive a SIGKILLed trainer, holding its
-    memory across an in-job restart.
+    memory across an in-job restart. copy_outcome (a Manager queue) is given when the trainer
+    still copies into the buffer in the background (overlapped capture): the seal waits for
+    its one message, None or why the copy failed.
     """
     if os.getpid() != trainer_pid:
         tie_to_parent(trainer_pid, watchdog_name="flashpoint-save-worker-watchdog")
     try:
+        if copy_outcome is not None:
+            try:
+                failure = copy_outcome.get(timeout=COPY_WAIT_S)
+            except queue.Empty:
+                failure = f"the trainer's background copy sent no word in {COPY_WAIT_S:.0f} s"
+            if failure is not None:
+                raise RuntimeError(failure)
         seal_object(job, threads)
         outcome = None
     except BaseException as exc:  # noqa: BLE001 - reported to the trainer, raised there on every rank
@@ -55,6 +66,11 @@ def seal_and_report(job: SealJob, threads: int, report_queue: Any, token: str, t
         # blocking finalize would then wait for it until its bound.
         print(f"flashpoint: the background write could not report its outcome ({outcome or 'sealed'}): "
               f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+
+
+# A background copy ends within the trainer's worker_timeout_s or fails the save there; this only
+# keeps a worker whose trainer lost the message from waiting forever.
+COPY_WAIT_S = 3600.0
 
 
 def serve(trainer_pid: int, ready: multiprocessing.synchronize.Event, boot_hook: Callable[[], Any] | None,

@@ -6,13 +6,14 @@ import array
 import logging
 import os
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
 
 from ml_flashpoint_nemo import _core
+from ml_flashpoint_nemo.core import capture
 from ml_flashpoint_nemo.core.format import (
     HEADER_NBYTES,
     LARGE_RECORD_ALIGNMENT,
@@ -112,6 +113,7 @@ class CheckpointSaver:
         # For states of plain CPU tensors: the plan's layout key, record offsets and sizes.
         self._plan_columns: tuple[tuple, array.array, array.array] | None = None
         self._padding_ops = array.array("Q")
+        self._capture_thread: ThreadPoolExecutor | None = None  # background copies (stage_object in_background)
 
     def warm_up(self, nbytes: int, count: int = 2) -> "Future[None]":
         """Pre-create and pre-fault `count` buffers for saves of about nbytes, in the background.
@@ -131,13 +133,25 @@ class CheckpointSaver:
         return self.place(staged)
 
     def stage_object(
-        self, step: int, state: Mapping[str, Any], *, overwrite: bool = False, defer_checksums: bool = False
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        overwrite: bool = False,
+        defer_checksums: bool = False,
+        in_background: bool = False,
     ) -> "StagedObject":
         """Copy the state into a pool buffer: the only part of a save the caller must wait for.
 
         With defer_checksums the copy is a plain memcpy and the CRCs are computed by
-        seal_object, which may then run in the background or in another process.
+        seal_object, which may then run in the background or in another process. With
+        in_background (needs defer_checksums) the copies of host tensors run in a background
+        thread after this returns (StagedObject.copying; bytes and device tensors are copied
+        before): nothing may write to them until core.capture.wait_for_captures() returns.
         """
+        if in_background and not defer_checksums:
+            raise ValueError("a background copy computes no checksums: pass defer_checksums=True with it")
+        copying: "Future[object] | None" = None
         with gc_paused():  # thousands of small objects: no collection in the middle of the copy
             columns = tensor_columns(state)
             values = prepare_state(state) if columns is None else []
@@ -155,7 +169,12 @@ class CheckpointSaver:
             try:
                 with memoryview(buffer) as view:
                     view[:HEADER_NBYTES] = bytes(HEADER_NBYTES)  # no valid header until sealed
-                if columns is None:
+                if in_background:
+                    crcs = []
+                    ops = (self._column_ops(columns) if columns is not None
+                           else self._direct_ops_after_others(buffer, values, plan.entries))
+                    copying = self._copy_in_background(buffer, ops, keep_alive=(state, values))
+                elif columns is None:
                     crcs = self._copy_values(buffer, values, plan.entries, checksum, self._padding_ops)
                 else:
                     crcs = self._copy_columns(buffer, columns, checksum)
@@ -173,7 +192,42 @@ class CheckpointSaver:
             padding_zeroed=True,
         )
         data_nbytes = sum(v.nbytes for v in values) if columns is None else sum(columns.nbytes)
-        return StagedObject(step, buffer, job, data_nbytes)
+        return StagedObject(step, buffer, job, data_nbytes, copying)
+
+    def _copy_in_background(self, buffer: _core.ShmBuffer, ops: array.array, keep_alive: object) -> "Future[object]":
+        """Run the copy ops on this saver's capture thread (one: copies end in the order saves start)."""
+        if self._capture_thread is None:
+            self._capture_thread = ThreadPoolExecutor(1, thread_name_prefix="flashpoint-capture")
+        future: Future[object] = self._capture_thread.submit(background_copy, buffer, ops, self.threads, keep_alive)
+        capture.track(future)
+        return future
+
+    def _column_ops(self, columns: TensorColumns) -> array.array:
+        """(source, offset, nbytes) rows of every tensor of the columns and of the padding."""
+        assert self._plan_columns is not None
+        _, offsets, sizes = self._plan_columns
+        ops = array.array("Q", bytes(24 * len(offsets)))  # filled column-wise
+        ops[0::3] = columns.addresses
+        ops[1::3] = offsets
+        ops[2::3] = sizes
+        ops.extend(self._padding_ops)
+        return ops
+
+    def _direct_ops_after_others(
+        self, buffer: _core.ShmBuffer, values: list[PreparedValue], entries: list[IndexEntry]
+    ) -> array.array:
+        """Copy what the C++ engine cannot read (bytes, strided and device values) now; the ops of the rest."""
+        direct_ops = array.array("Q")
+        others = []
+        for value, entry in zip(values, entries):
+            if value.tensor is not None and value.is_direct:
+                direct_ops.extend((value.tensor.data_ptr() if value.nbytes else 0, entry.offset, value.nbytes))
+            else:
+                others.append((value, entry))
+        if others:
+            self._copy_with_torch(buffer, others, checksum=False)
+        direct_ops.extend(self._padding_ops)
+        return direct_ops
 
     def place(self, staged: "StagedObject") -> WrittenObject:
         """Check the sealed object and rename it into its version directory (still uncommitted)."""
@@ -192,7 +246,9 @@ class CheckpointSaver:
                              staged.data_nbytes)
 
     def abandon(self, staged: "StagedObject") -> None:
-        """Give a staged buffer back to the pool after a failed save."""
+        """Give a staged buffer back to the pool after a failed save (once no copy writes into it)."""
+        if staged.copying is not None:
+            wait([staged.copying])
         self.pool.release(staged.buffer)
 
     def _plan_for(self, values: list[PreparedValue]) -> ObjectPlan:
@@ -218,14 +274,8 @@ class CheckpointSaver:
 
     def _copy_columns(self, buffer: _core.ShmBuffer, columns: TensorColumns, checksum: bool) -> list[int]:
         """Copy every tensor of the columns to its record's offset and zero the gaps, in one parallel pass."""
-        assert self._plan_columns is not None
-        _, offsets, sizes = self._plan_columns
-        ops = array.array("Q", bytes(24 * len(offsets)))  # (source, offset, nbytes) rows, filled column-wise
-        ops[0::3] = columns.addresses
-        ops[1::3] = offsets
-        ops[2::3] = sizes
-        ops.extend(self._padding_ops)  # their CRCs are not needed
-        return _core.copy_into_buffer(buffer, ops, checksum, self.threads)[: len(offsets)]
+        ops = self._column_ops(columns)  # the padding's CRCs at the end are not needed
+        return _core.copy_into_buffer(buffer, ops, checksum, self.threads)[: len(columns.keys)]
 
     def _copy_values(
         self,
@@ -345,6 +395,9 @@ class CheckpointSaver:
         return SaveResult(step, written.data_nbytes, elapsed, (written.record,))
 
     def close(self) -> None:
+        if self._capture_thread is not None:  # its copies write into the pool's mappings
+            self._capture_thread.shutdown(wait=True)
+            self._capture_thread = None
         self.pool.close()
 
     def __enter__(self) -> "CheckpointSaver":
@@ -362,3 +415,9 @@ class StagedObject:
     buffer: _core.ShmBuffer
     seal_job: SealJob
     data_nbytes: int
+    copying: "Future[object] | None" = None  # the background copy, while stage_object(in_background=True) runs it
+
+
+def background_copy(buffer: _core.ShmBuffer, ops: array.array, threads: int, keep_alive: object) -> None:
+    """A background copy's body; keep_alive holds the source tensors (ops hold only their addresses)."""
+    _core.copy_into_buffer(buffer, ops, False, threads)

@@ -21,6 +21,7 @@ import logging
 import os
 import threading
 import weakref
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -57,7 +58,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ml_flashpoint_nemo.core import lifecycle
+from ml_flashpoint_nemo.core import capture, lifecycle
 from ml_flashpoint_nemo.core.gc_pause import without_gc
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.node_copies import NodeCopies
@@ -117,10 +118,12 @@ class _StagingWriter(MemoryStorageWriter):
 
     step: int  # always known: reset() in __init__ takes it from checkpoint_dir (or raises)
 
-    def __init__(self, checkpoint_dir: str | os.PathLike[str], *, keep: int, checksum: bool, threads: int | None):
+    def __init__(self, checkpoint_dir: str | os.PathLike[str], *, keep: int, checksum: bool, threads: int | None,
+                 overlap_capture: bool = False):
         layout, checkpoint_id = _split_checkpoint_dir(checkpoint_dir)
         super().__init__(layout.base_dir, keep=keep, checksum=checksum, threads=threads)
         self.reset(checkpoint_id)
+        self.overlap_capture = overlap_capture
         self.staged: StagedObject | None = None
         self.stage_error: str | None = None
         self.items: PlannedItems = ((), ())  # record key and DCP index of each item of this rank's plan
@@ -145,7 +148,8 @@ class _StagingWriter(MemoryStorageWriter):
                           world_size=dist.get_world_size())
         flat, self.items = resolve_write_items(plan, planner)
         first = saver not in _WARMED_SAVERS
-        self.staged = saver.stage_object(self.step, flat, overwrite=True, defer_checksums=True)
+        self.staged = saver.stage_object(self.step, flat, overwrite=True, defer_checksums=True,
+                                         in_background=self.overlap_capture)
         if first:
             # The next save still finds this version committed (it is retired only then), so it needs a
             # buffer of its own: fault one in now, in the background, rather than while training waits.
@@ -195,8 +199,11 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         threads: int | None = None,
         manager_future: SyncManagerFuture | None = None,
         replication: ReplicationConfig | None = None,
+        overlap_capture: bool = False,
     ) -> None:
         super().__init__(BACKEND, VERSION)
+        # Async saves return before their host tensors are copied; every torch optimizer step waits for the copies.
+        self.overlap_capture = overlap_capture
         self.replication_config = replication  # None: the defaults (factor 2)
         self._replication: ReplicationService | None = None
         self.keep = keep
@@ -204,6 +211,7 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         self.threads = threads or default_copy_threads()
         self.manager_future = manager_future
         self._reports: WorkerReports | None = None
+        self._manager: Any = None  # the Manager behind the reports' queue (and each overlapped copy's outcome)
         _warn_if_main_unguarded()
         self._signature: int | None = None
         self._cached_plans: tuple[SavePlan, SavePlan, bool] | None = None  # (central, local, validated)
@@ -255,7 +263,8 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         try:  # starting it can fail on this rank alone too (its FLASHPOINT_MANAGER_TIMEOUT_S, no thread left)
             if self.manager_future is None:
                 self.manager_future = start_manager_warmup()
-            queue = wait_for_manager(self.manager_future, what="the first flashpoint save").Queue()
+            self._manager = wait_for_manager(self.manager_future, what="the first flashpoint save")
+            queue = self._manager.Queue()
         except Exception as exc:  # noqa: BLE001 - shared with every rank below
             error = f"rank {dist.get_rank()}: {exc}"
         failed = problems_of_every_rank(error)
@@ -308,13 +317,32 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         if writer.staged is None:  # staging failed: nothing to write, finalize reports it on every rank
             return AsyncRequest(None, (), [finalize])
         token = writer.save_id  # unique to this save; the object's path is not (pool buffers are reused)
-        return AsyncRequest(seal_and_report, (writer.staged.seal_job, self.threads, reports.queue, token, os.getpid()),
-                            [finalize])
+        args: tuple[Any, ...] = (writer.staged.seal_job, self.threads, reports.queue, token, os.getpid())
+        if writer.staged.copying is not None:
+            capture.install_optimizer_step_guard()
+            args += (self._copy_outcome_channel(writer.staged.copying),)
+        return AsyncRequest(seal_and_report, args, [finalize])
+
+    def _copy_outcome_channel(self, copying: "Future[object]") -> Any:
+        """A Manager queue that gets the background copy's outcome (None, or why it failed) once it ends."""
+        channel = self._manager.Queue()
+
+        def tell(future: "Future[object]") -> None:
+            error = future.exception()
+            try:
+                channel.put(None if error is None else f"the background copy failed: {type(error).__name__}: {error}")
+            except Exception:  # noqa: BLE001 - the seal then waits in vain: the IO's worker_timeout_s fails the save
+                logger.warning("flashpoint: cannot pass the background copy's outcome to the save worker",
+                               exc_info=True)
+
+        copying.add_done_callback(tell)
+        return channel
 
     def _writer_or_problem(self, checkpoint_dir: str | Path) -> "_StagingWriter | str":
         """This save's writer, or why this rank cannot make one (raised on every rank by the next all-reduce)."""
         try:
-            return _StagingWriter(checkpoint_dir, keep=self.keep, checksum=self.checksum, threads=self.threads)
+            return _StagingWriter(checkpoint_dir, keep=self.keep, checksum=self.checksum, threads=self.threads,
+                                  overlap_capture=self.overlap_capture)
         except Exception as exc:  # noqa: BLE001 - shared with every rank by _structure_unchanged_on_every_rank
             logger.debug("flashpoint writer for %s failed on rank %d", checkpoint_dir, dist.get_rank(), exc_info=True)
             return f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from ml_flashpoint_nemo.core import capture
 from ml_flashpoint_nemo.nemo.settings import FlashpointSettings, checked_options
 from ml_flashpoint_nemo.nemo.stale_handlers import OwnedHandler
 
@@ -62,12 +63,14 @@ class FlashpointCallback(Callback):
     # --- wiring ------------------------------------------------------------------------------
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        from ml_flashpoint_nemo.nemo.wiring import wire_trainer  # imports NeMo's checkpoint IO stack
+        from ml_flashpoint_nemo.nemo.wiring import refuse_unguarded_writes, wire_trainer  # NeMo's checkpoint IO stack
 
         if stage == "fit":  # first: what it drops can then be freed by the wiring's collection of stale trainers
             self._stop_drain()  # one left by an earlier fit of this callback whose teardown was cut short
         wire_trainer(trainer, self, base_dir=self.base_dir, options=self.options, warn_if_wired=False)
         if stage == "fit" and self.io is not None:
+            if self.io.settings.overlap_capture:
+                refuse_unguarded_writes(trainer, pl_module)
             self.io.begin_fit()  # in each rank's process, from its main thread, before the model is built
 
     def attach(self, settings: FlashpointSettings, io: FlashpointCheckpointIO) -> None:
@@ -115,9 +118,11 @@ class FlashpointCallback(Callback):
         """Commit the previous step's save here, once the next step's forward and backward ran, not a step later.
 
         Its background sealing is then usually done, so a crash before this step's end loses at most
-        this step: with a save every step, a SIGKILL after step S resumes from S or S-1.
+        this step: with a save every step, a SIGKILL after step S resumes from S or S-1. With
+        overlap_capture the step first waits for the save's background copy of the tensors it writes.
         """
         if self.io is not None:
+            capture.wait_for_captures("the optimizer step")
             self._finalize(trainer, blocking=False)
 
     def save(self, trainer: Any, step: int) -> None:

@@ -32,7 +32,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyPara
 from nemo.lightning.io.pl import MegatronCheckpointIO
 from nemo.utils.callbacks.dist_ckpt_io import AsyncFinalizableCheckpointIO
 
-from ml_flashpoint_nemo.core import lifecycle, remote_objects
+from ml_flashpoint_nemo.core import capture, lifecycle, remote_objects
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.space import check_room_on_every_rank
 from ml_flashpoint_nemo.core.sync_manager import SyncManagerFuture
@@ -97,7 +97,7 @@ class FlashpointCheckpointIO(AsyncFinalizableCheckpointIO):
         self.layout = CheckpointLayout(settings.base_dir)
         self.flashpoint_strategy = FlashpointSaveStrategy(
             keep=settings.keep, checksum=settings.checksum, threads=settings.threads, manager_future=manager_future,
-            replication=ReplicationConfig(factor=settings.replication_factor),
+            replication=ReplicationConfig(factor=settings.replication_factor), overlap_capture=settings.overlap_capture,
         )
         self.flashpoint_queue = PersistentWorkerQueue() if settings.persistent_worker else AsyncCallsQueue()
         stop_workers_at_exit(self.flashpoint_queue)  # forked workers are not daemons either: none may block the exit
@@ -134,6 +134,7 @@ class FlashpointCheckpointIO(AsyncFinalizableCheckpointIO):
         self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options)
 
     def load_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        capture.wait_for_captures("a load")  # it overwrites tensors a save may still be copying
         if not self.is_ram_path(path):
             return self.checkpoint_io.load_checkpoint(path, *args, **kwargs)
         # A RAM version's metadata.json names the flashpoint load strategy, which Megatron picks.

@@ -34,6 +34,7 @@ class FlashpointOptions:
     persistent_worker: bool = True  # one spawned worker for every save; False: a fork per save (blocks longer)
     worker_timeout_s: float = 600.0  # a background write not done by then is stopped and fails on every rank
     max_saves_in_flight: int = 1  # a due save waits (untaken) while this many are still sealing: RAM stays bounded
+    overlap_capture: bool = False  # async saves return before host tensors are copied; the next optimizer step waits
     parallel_save: bool = True  # spread replicated tensors over the data-parallel ranks
     enabled: bool = True
     resume: bool = True
@@ -109,6 +110,7 @@ class FlashpointOptionValues(TypedDict, total=False):
     persistent_worker: bool
     worker_timeout_s: float
     max_saves_in_flight: int
+    overlap_capture: bool
     parallel_save: bool
     enabled: bool
     resume: bool

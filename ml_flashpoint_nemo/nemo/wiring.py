@@ -81,6 +81,21 @@ def wire_trainer(
     return wiring
 
 
+def refuse_unguarded_writes(trainer: Any, pl_module: Any) -> None:
+    """overlap_capture: refuse what writes saved tensors before the next optimizer step, where no wait can go.
+
+    NeMo's EMA callback swaps weights into the parameters through .data around validation; Megatron's MoE
+    router updates its expert bias buffer in place right after the backward (docs/design.md lists each write).
+    """
+    emas = [type(c).__name__ for c in trainer.callbacks if type(c).__name__ == "EMA"]
+    if emas:
+        raise TrainerSetupError("flashpoint option overlap_capture cannot be used with NeMo's EMA callback (it writes "
+                                "the parameters while a save may still copy them); drop one of the two")
+    if getattr(getattr(pl_module, "config", None), "moe_router_enable_expert_bias", False):
+        raise TrainerSetupError("flashpoint option overlap_capture cannot be used with moe_router_enable_expert_bias "
+                                "(the router updates a saved buffer before the optimizer step); turn one off")
+
+
 def _rewrap_checkpoint_io_if_replaced(trainer: Any, wiring: FlashpointWiring) -> None:
     """If something replaced the strategy's checkpoint IO since wiring, wrap the new one too."""
     current = trainer.strategy.checkpoint_io

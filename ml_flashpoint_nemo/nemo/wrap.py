@@ -33,7 +33,7 @@ def wrap_trainer_with_flashpoint(
     FlashpointOptionValues, defaults and meanings in settings.FlashpointOptions):
     every_n_steps (50), skip_durable_steps (True), keep (1), replication_factor (2),
     threads, async_save (None: as the strategy's ckpt_async_save), checksum (True),
-    persistent_worker (True), worker_timeout_s (600), max_saves_in_flight (1), parallel_save (True), enabled (True), resume (True).
+    persistent_worker (True), worker_timeout_s (600), max_saves_in_flight (1), overlap_capture (False), parallel_save (True), enabled (True), resume (True).
     Calling it again on the same trainer returns the same callback and ignores the new options
     (with a warning); a checkpoint IO that replaced flashpoint's since the first call is wrapped in turn.
     """

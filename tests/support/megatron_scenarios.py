@@ -378,6 +378,57 @@ def a_due_save_waits_while_one_is_sealing(p: dict[str, Any]) -> None:
     print_outcomes(io, p)
 
 
+def overlapped_capture_holds_the_optimizer_step(p: dict[str, Any]) -> None:
+    """Overlapped capture on live parameters: each save returns before its copy ends (the copy is slowed by an
+    injected delay); the optimizer step right after it waits for the copy, and the version holds the values of
+    before the step, bit for bit. Rank 1's copy of step 2 fails: that save fails on every rank, step 3 commits."""
+    from ml_flashpoint_nemo.core import saver as saver_module
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    weight = torch.nn.Parameter(full_weight(1)[rank * ROWS_PER_RANK:(rank + 1) * ROWS_PER_RANK].clone())
+    optimizer = torch.optim.SGD([weight], lr=0.5)
+    strategy = FlashpointSaveStrategy(overlap_capture=True)
+    queue = AsyncCallsQueue(persistent=False)
+    copy = saver_module.background_copy
+
+    def slow_copy(*args: Any) -> None:
+        time.sleep(p["delay_s"])  # the injected slowness of a large copy, not a synchronisation
+        if dist.get_rank() == 1 and failing[0]:
+            raise OSError("injected: the background copy failed")
+        copy(*args)
+
+    failing = [False]
+    saver_module.background_copy = slow_copy
+    saved = {}
+    for step in (1, 2, 3):
+        failing[0] = step == 2
+        state = {"w": ShardedTensor.from_rank_offsets("w", weight.detach(), (0, rank, world))}
+        started = time.monotonic()
+        request = dist_checkpointing.save(state, version_dir(p["base"], step), sharded_strategy=strategy,
+                                          async_sharded_save=True)
+        returned = time.monotonic() - started
+        saved[step] = weight.detach().clone()
+        weight.grad = torch.ones_like(weight)
+        started = time.monotonic()
+        optimizer.step()  # writes the captured tensor in place: must wait for the copy
+        stepped = time.monotonic() - started
+        print(f"STEP {step} save returned in {returned:.2f}s, optimizer step waited {stepped:.2f}s", flush=True)
+        queue.schedule_async_request(request)
+        if step == 2:
+            expect_failure(lambda: queue.maybe_finalize_async_calls(blocking=True), "SAVE 2 FAILED")
+        else:
+            queue.maybe_finalize_async_calls(blocking=True)
+    saver_module.background_copy = copy
+    loaded = dist_checkpointing.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros_like(weight),
+                                                                          (0, rank, world))},
+                                     os.path.join(p["base"], "step-3"), sharded_strategy=FlashpointLoadStrategy())
+    print("EXACT", torch.equal(loaded["w"], saved[3]), "CHANGED", not torch.equal(saved[3], weight.detach()),
+          flush=True)
+    print("COMMITTED", committed_steps(CheckpointLayout(p["base"])), flush=True)
+    queue.close()
+    strategy.close()
+
+
 def saves_fork_until_the_persistent_worker_is_up(p: dict[str, Any]) -> None:
     """The IO starts its persistent worker at set-up; a save made while it boots forks a worker of its own,
     the saves after it is up run on it; all finalize in order, the newest loads bit-exactly, close stops it."""
@@ -663,6 +714,7 @@ if __name__ == "__main__":
                                            worker_dead_while_booting_leaves_saves_to_forks,
                                            hung_worker_fails_its_save_within_the_timeout,
                                            a_due_save_waits_while_one_is_sealing,
+                                           overlapped_capture_holds_the_optimizer_step,
                                            only_common_state_round_trips_as_with_torch_dist,
                                            writer_fails_on_one_rank,
                                            uninspectable_worker_fails_its_save_everywhere)})

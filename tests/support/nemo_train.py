@@ -36,6 +36,7 @@ def main() -> None:
     parser.add_argument("--save-worker-up", action="store_true",
                         help="train only once the persistent save worker is up, as a job whose first save comes "
                              "minutes after set-up has it (this tiny model saves within a second of starting)")
+    parser.add_argument("--overlap-capture", action="store_true", help="the flashpoint option overlap_capture")
     parser.add_argument("--sealed-before-optimizer", action="store_true",
                         help="each optimizer step first waits (bounded) until this rank's pending RAM saves are sealed, "
                              "so that when a save commits depends on the callbacks' hooks, not on the machine's speed")
@@ -171,7 +172,7 @@ def main() -> None:
     callbacks += [SaveWorkerUp()] if args.save_worker_up else []
     callbacks += [DumpResumedState()] if args.dump_resumed_state else []
     callbacks += [SealedBeforeOptimizer()] if args.sealed_before_optimizer else []
-    options: dict[str, Any] = {"every_n_steps": args.every, "keep": args.keep}
+    options: dict[str, Any] = {"every_n_steps": args.every, "keep": args.keep, "overlap_capture": args.overlap_capture}
     if args.drain_every:
         options.update(durable_every_n_steps=args.drain_every, durable_bytes_per_s=args.drain_rate,
                        durable_dir=str(Path(args.drain_log) / "tiny" / "checkpoints"))

@@ -58,6 +58,7 @@ def main() -> None:
     from_env = trainer()
     wrap_trainer_with_flashpoint(from_env)
     print("JOB_ID_BASE", from_env._flashpoint.settings.base_dir)
+    print("OVERLAP_REFUSED", overlap_refusals(base))
     plugin_trainer = recipe_with_plugin(base)
     print("FORK_WARNINGS", fork_warnings(base))
     for t in (wired, from_env, plugin_trainer):
@@ -91,6 +92,25 @@ def fork_warnings(base: str) -> str:
         counts.append(sum("gh-112275" in m and "persistent_worker=True" in m for m in collect.messages))
     forks_can_deadlock = sys.version_info < checkpoint_io.FORK_SAFE_PYTHON
     return f"fork {counts[0]} persistent {counts[1]} fork_can_deadlock {forks_can_deadlock}"
+
+
+def overlap_refusals(base: str) -> str:
+    """overlap_capture with NeMo's EMA callback, then with an MoE expert bias: each fit's set-up refuses it."""
+    from types import SimpleNamespace
+
+    from nemo.collections.common.callbacks import EMA
+
+    from ml_flashpoint_nemo import wrap_trainer_with_flashpoint
+
+    results = []
+    for extra, config in ((EMA(decay=0.9), None), (None, SimpleNamespace(moe_router_enable_expert_bias=True))):
+        t = trainer()
+        if extra is not None:
+            t.callbacks.append(extra)
+        callback = wrap_trainer_with_flashpoint(t, base_dir=base, overlap_capture=True)
+        results.append(outcome(lambda: callback.setup(t, SimpleNamespace(config=config), "fit")))
+        callback.io.close()
+    return " | ".join(results)
 
 
 def routing(wired, base: str) -> str:
