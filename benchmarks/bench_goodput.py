@@ -1,6 +1,6 @@
 """Training time lost to checkpointing, per save and per crash, for a NeMo GPT on 2 CPU ranks (gloo).
 
-One run measures four configurations in the same process layout (2 rank processes per phase,
+One run measures five configurations in the same process layout (2 rank processes per phase,
 started by this script):
 
   a  no checkpoints: the reference step time
@@ -8,8 +8,10 @@ started by this script):
   c  flashpoint RAM checkpoints every N steps + NeMo's durable checkpoint every K
   d  RAM every N + durable checkpoints drained from RAM every K (wrap_trainer_with_flashpoint's
      durable_every_n_steps / durable_dir; reported "not available in this build" without them)
+  e  RAM every step with overlap_capture (host tensors copied during the next step) + durable
+     drained from RAM every K
 
-Each of b, c, d trains --steps steps, lets the newest checkpoint land, SIGKILLs both ranks and
+Each of b, c, d, e trains --steps steps, lets the newest checkpoint land, SIGKILLs both ranks and
 restarts them; the restarted job resumes on its own (AutoResume; flashpoint picks the newer of
 RAM and durable) and trains --restart-steps more. Per configuration it reports:
 
@@ -71,12 +73,13 @@ from typing import Any, Callable, Iterator  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
-CONFIGS = ("a", "b", "c", "d")
+CONFIGS = ("a", "b", "c", "d", "e")
 DESCRIPTIONS = {
     "a": "no checkpoints",
     "b": "NeMo async durable every K",
     "c": "RAM every N + NeMo durable every K",
     "d": "RAM every N + durable drained from RAM every K",
+    "e": "RAM every step, copied during the next step (overlap_capture) + durable drained every K",
 }
 TARGETS = {  # wall-clock values, as the issue states them
     "restore_speedup_ram_vs_durable": 10.0,  # >=
@@ -108,7 +111,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--ram-every", type=int, default=5, help="N: RAM checkpoint interval in steps")
     ap.add_argument("--durable-every", type=int, default=15, help="K: durable checkpoint interval in steps")
     ap.add_argument("--failures-per-hour", type=float, default=1.0, help="failure rate for the ETTR")
-    ap.add_argument("--configs", default=",".join(CONFIGS), help="which of a,b,c,d to run")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="which of a,b,c,d,e to run")
     ap.add_argument("--out", default=None, help="work directory (default: a temp dir, removed at the end)")
     ap.add_argument("--durable-root", default=None, help="durable checkpoints go here (default: under --out)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="per phase, seconds")
@@ -125,6 +128,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--phase", help=argparse.SUPPRESS)  # "<config>:<train|restart>" in a rank process
     ap.add_argument("--base", help=argparse.SUPPRESS)  # RAM base directory of the configuration
     return ap.parse_args(argv)
+
+
+def ram_interval(args: argparse.Namespace, config: str) -> int:
+    """Steps between RAM saves: --ram-every, except e's save every step."""
+    return 1 if config == "e" else args.ram_every
 
 
 def model_shape(size_gib: float) -> tuple[int, int]:
@@ -231,10 +239,12 @@ def run_rank(args: argparse.Namespace) -> None:
         resume = tiny_gpt.make_resume()
     trainer = tiny_gpt.make_trainer(max_steps, ckpt_async_save=True, callbacks=callbacks,
                                     enable_checkpointing=config in ("b", "c"))
-    if config in ("c", "d"):
-        options: dict[str, Any] = {"every_n_steps": args.ram_every}
-        if config == "d":
+    if config in ("c", "d", "e"):
+        options: dict[str, Any] = {"every_n_steps": ram_interval(args, config)}
+        if config in ("d", "e"):
             options.update(durable_every_n_steps=args.durable_every, durable_dir=str(out / "durable"))
+        if config == "e":
+            options.update(overlap_capture=True)
         wrap_trainer_with_flashpoint(trainer, base_dir=args.base, **options)
         if resume is None:
             resume = FlashpointAutoResume(resume_if_exists=True, resume_ignore_no_checkpoint=True)
@@ -611,8 +621,8 @@ def run_driver(args: argparse.Namespace) -> int:
     drain = drain_available()
     try:
         for config in configs:
-            if config == "d" and not drain:
-                rows.append({"name": "config", "config": "d", "description": DESCRIPTIONS["d"],
+            if config in ("d", "e") and not drain:
+                rows.append({"name": "config", "config": config, "description": DESCRIPTIONS[config],
                              "available": False, "reason": "not available in this build (no durable_every_n_steps "
                              "/ durable_dir option in wrap_trainer_with_flashpoint)"})
                 continue
@@ -684,7 +694,7 @@ def report_rows(args: argparse.Namespace, results: dict[str, dict[str, Any]], hi
         if "restart" in result:
             rec = recovery(args, config, result["restart"], train)
             row["recovery"] = rec
-            interval = args.durable_every if rec["resumed_from"] == "durable" else args.ram_every
+            interval = args.durable_every if rec["resumed_from"] == "durable" else ram_interval(args, config)
             row["ettr"] = ettr(t_ref, mean, rec["total_s"], interval, args.failures_per_hour) if ref else None
         rows.append(row)
     rows.append(targets_row(rows))
