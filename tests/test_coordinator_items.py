@@ -1,7 +1,8 @@
 """Rank 0's copy of every rank's items: compact reports under a reused plan rebuild the full write records.
 
-The end-to-end path (real ranks, bytes counted) is tests/test_bench_scale_smoke.py; here the rules that keep a
-compact report from ever being paired with the items of another plan.
+The end-to-end paths (real ranks) are tests/test_bench_scale_smoke.py (bytes counted) and, for overlapping saves
+and a save queued behind a failed one, tests/test_megatron.py; here the rules that keep a compact report from ever
+being paired with the items of another plan.
 """
 
 from __future__ import annotations

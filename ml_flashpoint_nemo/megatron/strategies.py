@@ -381,8 +381,9 @@ def _finalize_save(writer: _StagingWriter, global_metadata: Metadata | None, rep
     The write records go to the coordinator alone: every other rank receives small all-reduces,
     whatever the number of ranks and tensors. Under a reused plan each rank sends its object's
     record alone (rank 0 receives O(N), not O(N*T)) unless rank 0 lacks the plan's items, which it
-    says in the gather's own all-reduce: a save scheduled before the one that made the plan
-    finalized, or queued behind a failed one, then reports in full, and rank 0 keeps the items.
+    says in the gather's own all-reduce. Saves finalize in order, so one scheduled before the save
+    that made the plan finalized still reports compactly; one queued behind a failed save reports
+    in full, and rank 0 keeps the items for the next.
     """
     error: str | None = None
     results: list[WriteResult] = []
