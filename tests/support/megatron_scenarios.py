@@ -233,6 +233,8 @@ def overlapping_saves_each_get_their_report(p: dict[str, Any]) -> None:
     queue.maybe_finalize_async_calls(blocking=True)  # raises if any of the three saves failed
     assert committed_steps(CheckpointLayout(p["base"]))[-1] == 3
     check_loaded(load(p, 3), 3)
+    # saves 2 and 3 were scheduled before save 1 finalized, and reused its plan all the same
+    assert strategy._coordinator_items.plan == 1, strategy._coordinator_items.plan
     queue.close()
     strategy.close()
 
