@@ -1,7 +1,8 @@
 """Rank 0's copy of every rank's items: compact reports under a reused plan rebuild the full write records.
 
-The end-to-end path (real ranks, bytes counted) is tests/test_bench_scale_smoke.py; here the rules that keep a
-compact report from ever being paired with the items of another plan.
+The end-to-end paths (real ranks) are tests/test_bench_scale_smoke.py (bytes counted) and, for overlapping saves
+and a save queued behind a failed one, tests/test_megatron.py; here the rules that keep a compact report from ever
+being paired with the items of another plan.
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ def planned(items: CoordinatorItems, ranks: int = 3) -> list[list]:
 
 def test_compact_reports_rebuild_the_full_write_records_of_the_plan():
     items = CoordinatorItems()
-    assert not items.known()
+    assert not items.holds(items.plan)
     full = planned(items)
-    assert items.known()
+    assert items.holds(items.plan)
     # the next save: same items, new object records (its CRCs differ)
     fresh = [full_report(r, 5, crc=7) for r in range(3)]
     compact = [compact_report(results) for results in fresh]
@@ -46,13 +47,23 @@ def test_compact_reports_rebuild_the_full_write_records_of_the_plan():
     assert [[r.index for r in per] for per in rebuilt] == [[r.index for r in per] for per in full]
 
 
-def test_a_new_plan_makes_the_items_unknown_until_its_full_report():
+def test_a_new_plan_has_no_items_until_its_full_report():
     items = CoordinatorItems()
     planned(items)
     items.new_plan()
-    assert not items.known()
-    with pytest.raises(FlashpointError, match="no longer holds the items of save plan 2"):
+    assert not items.holds(items.plan)
+    with pytest.raises(FlashpointError, match="does not hold the items of save plan 2"):
         items.full_results([None, None, None], compact=True, plan=items.plan)
+
+
+def test_a_save_under_the_older_plan_still_rebuilds_while_the_newer_plan_has_no_items():
+    """Saves overlap: save N (plan 1) finalizes after save N+1 made plan 2; rank 0 still holds plan 1's items."""
+    items = CoordinatorItems()
+    full = planned(items)
+    items.new_plan()
+    assert items.holds(1) and not items.holds(2)
+    rebuilt = items.full_results([compact_report(results) for results in full], compact=True, plan=1)
+    assert [[r.index for r in per] for per in rebuilt] == [[r.index for r in per] for per in full]
 
 
 def test_a_late_full_report_of_an_older_plan_is_not_kept():
@@ -61,7 +72,7 @@ def test_a_late_full_report_of_an_older_plan_is_not_kept():
     old = items.plan
     items.new_plan()  # the next save planned before the older one finalized
     items.full_results([full_report(r, 5) for r in range(3)], compact=False, plan=old)
-    assert not items.known()
+    assert not items.holds(old) and not items.holds(items.plan)
 
 
 @pytest.mark.parametrize("bad", ["record where none was", "none where a record was", "not a record"])
@@ -77,12 +88,12 @@ def test_a_compact_report_that_does_not_match_the_plan_fails_the_save_and_forget
         compact[0] = ("rank-0.obj", 0)
     with pytest.raises(FlashpointError, match="does not match the items"):
         items.full_results(compact, compact=True, plan=items.plan)
-    assert not items.known()  # rank 0 votes "changed": the next save plans afresh and reports in full
+    assert not items.holds(items.plan)  # the next save under this plan reports in full
 
 
 def test_a_compact_report_from_more_ranks_than_the_plan_had_fails():
     items = CoordinatorItems()
     planned(items)
-    with pytest.raises(FlashpointError, match="no longer holds"):
+    with pytest.raises(FlashpointError, match="does not hold the items"):
         items.full_results([None] * 4, compact=True, plan=items.plan)
-    assert not items.known()
+    assert not items.holds(items.plan)

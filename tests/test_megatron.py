@@ -155,6 +155,14 @@ def test_overlapping_async_saves_each_find_their_own_worker_report(base_dir, mod
     assert committed_steps(CheckpointLayout(base_dir))[-1] == 3
 
 
+def test_overlapping_saves_reuse_the_plan_and_report_compactly_after_a_full_report(base_dir):
+    """Each save scheduled before the previous one finalized, the first failing on rank 1: the save queued behind it
+    reports in full and commits, the later ones send rank 0 their object records alone; planning runs once."""
+    outputs = run("overlapping_saves_report_compactly_after_a_full_one", 2, base=base_dir)
+    assert all("SAVE 1 FAILED" in out and "rank 1" in out and "PLANS 1\n" in out for out in outputs), outputs
+    assert "REPORTS full compact compact compact\n" in outputs[0], outputs[0]
+
+
 def node_bases(tmp_path, nodes: int) -> list[str]:
     return [str(tmp_path / f"node-{n}") for n in range(nodes)]
 

@@ -65,3 +65,15 @@ def test_problems_of_every_rank_gathers_messages_only_when_a_rank_has_one(shm_di
     for out in outputs:
         assert "NONE [] GATHERS 0" in out, out
         assert "ONE ['rank 1: disk full'] GATHERS 1" in out, out
+
+
+def test_the_coordinator_alone_chooses_short_or_full_reports_and_a_bad_full_one_fails_every_rank(shm_dir):
+    """Under a reused save plan rank 0 asks for full reports when it lacks the plan's items (megatron finalize)."""
+    outputs = run_world("collective_scenarios", "short_or_full_reports", 2, {"root": str(shm_dir)}, timeout=DEADLINE_S)
+    assert "NOBODY full=False gathered=[('short', 0), ('short', 1)] errors=[]" in outputs[0], outputs[0]
+    assert "RANK0 full=True gathered=[['full', 0], ['full', 1]] errors=[]" in outputs[0], outputs[0]
+    assert "NOBODY full=False gathered=None errors=[]" in outputs[1], outputs[1]
+    assert "RANK0 full=True gathered=None errors=[]" in outputs[1], outputs[1]
+    for out in outputs:
+        assert "UNPICKLABLE full=True gathered=None errors=[\"rank 1: cannot pickle its report" in out, out
+        assert "PROBLEM full=True gathered=None errors=['rank 1: disk full']" in out, out

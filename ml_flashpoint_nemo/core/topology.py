@@ -154,15 +154,44 @@ def gathered_on_coordinator(payload: Any, problem: str | None) -> tuple[list[str
     (out of memory, say) is rank 0's problem alone: its payloads are then None and the caller
     reports it to every rank with its next collective.
     """
-    data = b""
-    if problem is None:
-        try:
-            data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as exc:  # noqa: BLE001 - shared with every rank below
-            problem = f"rank {dist.get_rank()}: cannot pickle its report: {type(exc).__name__}: {exc}"
+    data, problem = _pickled(payload, problem)
     any_problem, longest = reduced_ints([int(problem is not None), len(data)])
     if any_problem:
         return _every_problem(problem), None
+    return [], _gathered_frames(data, longest)
+
+
+def gathered_short_or_full(short: Any, full: Any, problem: str | None, *,
+                           coordinator_needs_full: bool) -> tuple[list[str], list[Any] | None, bool]:
+    """Collective: gathered_on_coordinator of every rank's short payload, or of its full one if rank 0 asks.
+
+    Only rank 0's coordinator_needs_full counts; the third value (rank 0 asked for the full
+    payloads) is the same on every rank. Rank 0's wish rides in the all-reduce the gather runs anyway (24 bytes instead of
+    16), so the short case costs no extra collective; the full case costs one more all-reduce.
+    """
+    data, problem = _pickled(short, problem)
+    wants_full = int(dist.get_rank() == 0 and coordinator_needs_full)
+    any_problem, longest, use_full = reduced_ints([int(problem is not None), len(data), wants_full])
+    if not any_problem and use_full:
+        data, problem = _pickled(full, problem)
+        any_problem, longest = reduced_ints([int(problem is not None), len(data)])
+    if any_problem:
+        return _every_problem(problem), None, bool(use_full)
+    return [], _gathered_frames(data, longest), bool(use_full)
+
+
+def _pickled(payload: Any, problem: str | None) -> tuple[bytes, str | None]:
+    """This rank's payload as bytes (nothing when it has a problem), or why it cannot be pickled."""
+    if problem is not None:
+        return b"", problem
+    try:
+        return pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL), None
+    except Exception as exc:  # noqa: BLE001 - shared with every rank by the caller's all-reduce
+        return b"", f"rank {dist.get_rank()}: cannot pickle its report: {type(exc).__name__}: {exc}"
+
+
+def _gathered_frames(data: bytes, longest: int) -> list[Any] | None:
+    """Collective, once no rank has a problem: every rank's payload on rank 0, None elsewhere or if it failed."""
     framed = bytearray(_LENGTH_BYTES + longest)  # equal sizes on every rank, as gather requires
     framed[:_LENGTH_BYTES] = len(data).to_bytes(_LENGTH_BYTES, "little")
     framed[_LENGTH_BYTES:_LENGTH_BYTES + len(data)] = data
@@ -180,19 +209,19 @@ def gathered_on_coordinator(payload: Any, problem: str | None) -> tuple[list[str
     # An allocation can fail (a CUDA one above all): every rank learns it before it would wait in the gather.
     (cannot_receive,) = reduced_ints([int(dist.get_rank() == 0 and buffer is None)])
     if cannot_receive:
-        return [], None
+        return None
     dist.gather(mine, list(buffer.unbind(0)) if buffer is not None else None, dst=0)
     if buffer is None:
-        return [], None
+        return None
     try:
         payloads = []
         for raw in (bytes(row) for row in buffer.cpu().numpy()):
             length = int.from_bytes(raw[:_LENGTH_BYTES], "little")
             payloads.append(pickle.loads(raw[_LENGTH_BYTES:_LENGTH_BYTES + length]))
-        return [], payloads
+        return payloads
     except Exception:  # noqa: BLE001 - rank 0's alone; the caller reports it with its next collective
         logger.exception("rank 0 cannot decode the reports it gathered")
-        return [], None
+        return None
 
 
 def raise_if_any_rank_failed(error: BaseException | None, what: str) -> None:

@@ -5,8 +5,10 @@ O(T) per rank, so rank 0 would receive O(N*T) every save (about 630 MB at 4,096 
 tensors). Those items follow from the save plan alone. While the plan is reused (no rank's
 structure changed, which every rank agrees on before the save), each rank sends only its object's
 record (about 100 bytes) and rank 0 takes the items from the last full report made under the same
-plan. Rank 0 takes part in that agreement: without a full report of the current plan it votes
-"changed", so the next save plans afresh and reports in full.
+plan. Whether rank 0 holds them is settled at finalize, not when the save is scheduled: saves
+overlap (the next one is scheduled before the previous one finalized, and may reuse its plan), and
+the full report that would have brought the items may have failed. When rank 0 lacks them, every
+rank of that save reports in full (megatron/strategies._finalize_save); the plan is kept.
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ def compact_report(results: list[WriteResult]) -> ObjectRecord | None:
 class CoordinatorItems:
     """Rank 0's copy of every rank's items, tied to the plan they were reported under.
 
-    plan counts the plans this strategy made; a save made under plan g may send compact reports
-    only if known(g) held when every rank agreed to reuse the plan. Reports of an older plan that
-    arrive late (an earlier save finalizing after the next one planned) are not kept.
+    plan counts the plans this strategy made (the same on every rank: ranks agree to reuse a plan);
+    a save made under plan g sends compact reports only if rank 0 holds(g) at its finalize. Reports
+    of an older plan that arrive late (an earlier save finalizing after the next one planned) are
+    not kept.
     """
 
     def __init__(self) -> None:
@@ -42,9 +45,9 @@ class CoordinatorItems:
     def new_plan(self) -> None:
         self.plan += 1
 
-    def known(self) -> bool:
-        """Whether rank 0 holds every rank's items under the current plan."""
-        return self._kept is not None and self._kept[0] == self.plan
+    def holds(self, plan: int) -> bool:
+        """Whether rank 0 holds every rank's items under plan (always False on the other ranks)."""
+        return self._kept is not None and self._kept[0] == plan
 
     def full_results(self, gathered: list[Any], *, compact: bool, plan: int) -> list[list[WriteResult]]:
         """Rank 0: every rank's write records, rebuilt from compact reports or kept from full ones."""
@@ -55,8 +58,8 @@ class CoordinatorItems:
         if self._kept is None or self._kept[0] != plan or len(self._kept[1]) != len(gathered):
             self._kept = None
             raise FlashpointError(
-                f"rank 0 no longer holds the items of save plan {plan} that this save reused; the next save plans "
-                "afresh. Report this: it is a bug in ml_flashpoint_nemo."
+                f"rank 0 does not hold the items of save plan {plan}, which this save's compact reports need; the "
+                "next save reports in full. Report this: it is a bug in ml_flashpoint_nemo."
             )
         try:
             return [_rebuilt(rank, record, items) for rank, (record, items) in enumerate(zip(gathered, self._kept[1]))]
@@ -78,7 +81,7 @@ def _rebuilt(rank: int, record: Any, items: PlannedItems | None) -> list[WriteRe
     if not isinstance(record, ObjectRecord) or items is None:
         raise FlashpointError(
             f"rank {rank} reported {type(record).__name__} for its object under a reused save plan, which does "
-            "not match the items it reported when the plan was made; the next save plans afresh. Report this: it "
-            "is a bug in ml_flashpoint_nemo."
+            "not match the items it reported when the plan was made; the next save reports in full. Report this: "
+            "it is a bug in ml_flashpoint_nemo."
         )
     return write_results(record, items)

@@ -74,6 +74,7 @@ from ml_flashpoint_nemo.core.sync_manager import (
 from ml_flashpoint_nemo.core.topology import (
     NodeTopology,
     gathered_on_coordinator,
+    gathered_short_or_full,
     highest_of_every_rank,
     node_identity,
     problems_of_every_rank,
@@ -216,7 +217,7 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         self._signature: int | None = None
         self._cached_plans: tuple[SavePlan, SavePlan, bool] | None = None  # (central, local, validated)
         self._cached_metadata: Metadata | None = None
-        self._coordinator_items = CoordinatorItems()  # rank 0's: every rank's items under the current plan
+        self._coordinator_items = CoordinatorItems()  # the plan number; on rank 0, every rank's items of a plan
         self._nodes: NodeCopies | None = None
         self._close_lock = threading.Lock()
         self._base_dirs: set[Path] = set()  # whose buffer pools this strategy's saves opened in this process
@@ -243,8 +244,6 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
             flag = _SAVE_CANNOT_START
         else:
             changed = self._cached_plans is None or signature != self._signature
-            # rank 0 needs every rank's items of the plan before ranks may report their object alone
-            changed = changed or (dist.get_rank() == 0 and not self._coordinator_items.known())
             self._signature = signature
             flag = int(changed)
         highest = highest_of_every_rank(flag)
@@ -310,7 +309,7 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
             global_metadata = self._cached_metadata  # the coordinator's, from the planning save
 
         def finalize() -> None:
-            _finalize_save(writer, global_metadata, reports, items, compact=reuse_plan, plan=plan)
+            _finalize_save(writer, global_metadata, reports, items, reused_plan=reuse_plan, plan=plan)
             nodes.copy_version_to_every_node(writer.layout, writer.step)
             replication.replicate(writer.step)  # in the background, never blocks training
 
@@ -404,12 +403,15 @@ def _describe(value: Any) -> tuple:
 
 
 def _finalize_save(writer: _StagingWriter, global_metadata: Metadata | None, reports: WorkerReports,
-                   items: CoordinatorItems, *, compact: bool, plan: int) -> None:
+                   items: CoordinatorItems, *, reused_plan: bool, plan: int) -> None:
     """Every rank: place its object; coordinator: commit. Any rank's failure is raised on every rank.
 
-    The write records go to the coordinator alone (gathered_on_coordinator): every other rank
-    receives two small all-reduces, whatever the number of ranks and tensors. Under a reused plan
-    (compact) each rank sends its object's record alone, and rank 0 receives O(N), not O(N*T).
+    The write records go to the coordinator alone: every other rank receives small all-reduces,
+    whatever the number of ranks and tensors. Under a reused plan each rank sends its object's
+    record alone (rank 0 receives O(N), not O(N*T)) unless rank 0 lacks the plan's items, which it
+    says in the gather's own all-reduce. Saves finalize in order, so one scheduled before the save
+    that made the plan finalized still reports compactly; one queued behind a failed save reports
+    in full, and rank 0 keeps the items for the next.
     """
     error: str | None = None
     results: list[WriteResult] = []
@@ -421,14 +423,18 @@ def _finalize_save(writer: _StagingWriter, global_metadata: Metadata | None, rep
     except Exception as exc:  # noqa: BLE001 - reported to every rank below
         writer.abandon()
         error = f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"
-    errors, gathered = gathered_on_coordinator(compact_report(results) if compact else results, error)
+    if reused_plan:
+        errors, gathered, full = gathered_short_or_full(compact_report(results), results, error,
+                                                        coordinator_needs_full=not items.holds(plan))
+    else:
+        (errors, gathered), full = gathered_on_coordinator(results, error), True
     commit_error: str | None = None
     if not errors and dist.get_rank() == 0:  # the coordinator, with every rank's records (None: it could not)
         try:
             if gathered is None:
                 raise FlashpointError("rank 0 could not receive every rank's write records (see its log)")
             assert global_metadata is not None
-            writer.finish(global_metadata, items.full_results(gathered, compact=compact, plan=plan))
+            writer.finish(global_metadata, items.full_results(gathered, compact=not full, plan=plan))
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
             commit_error = f"rank 0 commit: {type(exc).__name__}: {exc}"
     if not errors:

@@ -131,7 +131,28 @@ def problems_reach_every_rank(p: dict[str, Any]) -> None:
     print(f"ONE {one} GATHERS {len(gathers)}", flush=True)
 
 
+def short_or_full_reports(p: dict[str, Any]) -> None:
+    """gathered_short_or_full: only rank 0's wish counts; a full payload that cannot be pickled fails every rank."""
+    from ml_flashpoint_nemo.core.topology import gathered_short_or_full
+
+    rank = dist.get_rank()
+    cases = {
+        "nobody": dict(coordinator_needs_full=rank == 1),  # rank 1's wish is not rank 0's
+        "rank0": dict(coordinator_needs_full=rank == 0),
+        "unpicklable": dict(coordinator_needs_full=True),
+    }
+    for name, kwargs in cases.items():
+        full: Any = (lambda: None) if name == "unpicklable" and rank == 1 else ["full", rank]
+        errors, gathered, sent_full = gathered_short_or_full(("short", rank), full, None, **kwargs)
+        print(f"{name.upper()} full={sent_full} gathered={gathered} errors={errors}", flush=True)
+    errors, gathered, sent_full = gathered_short_or_full(("short", rank), ["full", rank],
+                                                         "rank 1: disk full" if rank == 1 else None,
+                                                         coordinator_needs_full=True)
+    print(f"PROBLEM full={sent_full} gathered={gathered} errors={errors}", flush=True)
+
+
 if __name__ == "__main__":
     scenario_main({f.__name__: f for f in (keep_after_a_local_failure, agree_on_secret,
                                            choose_after_a_listing_failure, choose_after_an_inventory_failure,
-                                           choose_after_an_unexpected_check_failure, problems_reach_every_rank)})
+                                           choose_after_an_unexpected_check_failure, problems_reach_every_rank,
+                                           short_or_full_reports)})

@@ -233,7 +233,58 @@ def overlapping_saves_each_get_their_report(p: dict[str, Any]) -> None:
     queue.maybe_finalize_async_calls(blocking=True)  # raises if any of the three saves failed
     assert committed_steps(CheckpointLayout(p["base"]))[-1] == 3
     check_loaded(load(p, 3), 3)
+    # saves 2 and 3 were scheduled before save 1 finalized, and reused its plan all the same
+    assert strategy._coordinator_items.plan == 1, strategy._coordinator_items.plan
     queue.close()
+    strategy.close()
+
+
+def overlapping_saves_report_compactly_after_a_full_one(p: dict[str, Any]) -> None:
+    """NeMo's async queue under frequent saves: each save is scheduled before the previous one finalized.
+
+    Save 1 makes the plan and fails on rank 1 (its staged buffer disappears before it is sealed);
+    save 2, scheduled before that failure was known, reuses the plan. Rank 0 never got the plan's
+    items, so save 2 reports in full and commits; saves 3-5 report their object records alone.
+    Prints, on rank 0, how each save that reached the commit reported, and the number of plans made.
+    """
+    strategy = save_strategy(p)
+    items = strategy._coordinator_items
+    reported: list[str] = []
+    plain_full_results = items.full_results
+
+    def recording(gathered: list[Any], *, compact: bool, plan: int) -> Any:
+        reported.append("compact" if compact else "full")
+        return plain_full_results(gathered, compact=compact, plan=plan)
+
+    items.full_results = recording  # type: ignore[method-assign]
+
+    def scheduled(step: int) -> Any:
+        request = dist_checkpointing.save(sharded_state(step), version_dir(p["base"], step),
+                                          sharded_strategy=strategy, async_sharded_save=True)
+        if step == 1 and dist.get_rank() == 1:
+            os.unlink(request.async_fn_args[0].path)  # a real I/O failure in rank 1's background write
+        request.async_fn(*request.async_fn_args)  # the background write, here in the trainer
+        return request
+
+    def finalized(request: Any) -> None:
+        for fn in request.finalize_fns:
+            fn()
+
+    pending = scheduled(1)
+    for step in (2, 3, 4, 5):
+        following = scheduled(step)  # before `pending` finalized
+        if step == 2:
+            expect_failure(lambda: finalized(pending), "SAVE 1 FAILED")
+        else:
+            finalized(pending)
+        pending = following
+    finalized(pending)
+    committed = committed_steps(CheckpointLayout(p["base"]))
+    assert committed[-1] == 5 and 1 not in committed, committed
+    check_loaded(load(p, 5), 5)
+    if dist.get_rank() == 0:
+        print("REPORTS", " ".join(reported), flush=True)
+    print("PLANS", items.plan, flush=True)
     strategy.close()
 
 
@@ -704,6 +755,7 @@ if __name__ == "__main__":
                                            manager_failure_fails_first_save_everywhere,
                                            plan_reused_only_while_structure_is_unchanged,
                                            overlapping_saves_each_get_their_report,
+                                           overlapping_saves_report_compactly_after_a_full_one,
                                            common_state_on_every_node, failed_node_copy_fails_every_rank, choose,
                                            version_files_sent_once,
                                            choose_after_verifying_ahead,
