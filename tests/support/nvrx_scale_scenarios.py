@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from tests.support.multiproc import REPO, scenario_main
+from tests.support.multiproc import REPO, node_base, scenario_main
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 
@@ -25,7 +25,6 @@ METER = CollectiveMeter().install()  # before the manager's modules bind any col
 from ml_flashpoint_nemo.core.layout import object_name  # noqa: E402
 from ml_flashpoint_nemo.nvrx import FlashpointLocalCheckpointManager  # noqa: E402
 from ml_flashpoint_nemo.replication import ReplicationConfig  # noqa: E402
-from tests.support.megatron_scenarios import node_base  # noqa: E402
 from tests.support.nvrx_peer_states import PlainTensorState  # noqa: E402
 
 SESSION = "job"
