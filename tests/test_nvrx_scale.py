@@ -1,12 +1,12 @@
 """FlashpointLocalCheckpointManager on more simulated nodes than replicas: a lost node, agreement, flat collectives.
 
 Real gloo ranks (tests/support/nvrx_scale_scenarios.py), 2 per "node" (its own base directory),
-replication factor 2: 4 ranks on 2 nodes and 6 ranks on 3 nodes. Each world saves 2 iterations,
-loses one node's RAM (and, on 3 nodes, one more rank's object elsewhere), restarts the manager,
+replication factor 2: 4 ranks on 2 nodes and 6 ranks on 3 nodes. Each world saves 3 iterations (the
+last of 4 times as many tensors T), loses one node's RAM (and, on 3 nodes, one more rank's object elsewhere), restarts the manager,
 and every rank must find and load the same newest iteration, bit for bit. Comparing the two worlds
 shows what a rank receives per save does not grow with the ranks N, except where docs/design.md
 ("Scaling") says it does: rank 0 gathers every rank's object record and each node leader receives
-the commit record, ~100 B per rank.
+the commit record, ~100 B per rank; comparing the last two saves shows none of it grows with T.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from tests.conftest import SHM
 from tests.support.multiproc import run_world
 
 PER_NODE = 2
-SAVES = 2  # the second is a steady save: the first also finds the nodes and the peers, once per job
+SAVES = 3  # 2 and 3 are steady saves (the first also finds the nodes and the peers), of 4 and 16 tensors
 WORLDS = {  # world size -> the node whose base directory is wiped, a rank of another node that loses its object
     4: {"lost_node": 0, "lost_object_rank": None},  # the coordinator's node: its commit record goes too
     6: {"lost_node": 1, "lost_object_rank": 5},  # node 1's replicas are on node 2, rank 5's (node 2) on node 0
@@ -77,3 +77,13 @@ def test_what_a_rank_receives_per_save_does_not_grow_with_the_ranks(results):
         assert 0 <= grown <= PER_RANK_RECORD_BYTES * added, (rank, steady_save(small[rank]), steady_save(large[rank]))
     # a load reads this rank's own object: one fixed-size all-reduce, the same on every rank of both worlds
     assert {r["load"]["received"] for ranks in results.values() for r in ranks} == {8}, results
+
+
+def test_what_a_rank_receives_per_save_does_not_grow_with_the_tensors(results):
+    """One object per rank whatever its tensors: only the numbers in its record (its size) take a byte or two more."""
+    for n, ranks in results.items():
+        for r in ranks:
+            fewer, more = r["saves"][-2]["received"], r["saves"][-1]["received"]  # 4 and 16 tensors
+            assert 0 <= more - fewer <= 4 * n, (n, r["rank"], fewer, more)
+            if r["rank"] % PER_NODE != 0:
+                assert more == fewer, (n, r["rank"], fewer, more)

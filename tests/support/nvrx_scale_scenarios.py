@@ -32,8 +32,9 @@ REPLICATED = "replicated"
 
 
 def state_of(iteration: int, rank: int) -> PlainTensorState:
-    """Different tensors per rank and iteration: a load of another rank's or iteration's object shows."""
-    return PlainTensorState(iteration * 1000 + rank, count=4)
+    """Different tensors per rank and iteration (a load of another rank's or iteration's object shows); from
+    iteration 3 on, 4 times as many tensors, so that what a save's collectives carry can be compared across T."""
+    return PlainTensorState(iteration * 1000 + rank, count=4 if iteration < 3 else 16)
 
 
 def manager_of(p: dict[str, Any]) -> FlashpointLocalCheckpointManager:
