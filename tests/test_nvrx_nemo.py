@@ -16,17 +16,19 @@ import pytest
 
 from ml_flashpoint_nemo.core import committed_steps
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
-from tests.support.fork_server import NEMO_PRELOAD, popen_preloaded
+from tests.support.fork_server import NEMO_PRELOAD, nemo_popen, popen_preloaded
 from tests.support.multiproc import REPO
 
 sys.path.insert(0, str(REPO / "examples"))
 
+from launch import launch_ranks  # noqa: E402
 from quickstart import compare  # noqa: E402
 
 from tests.support.nemo_reference import link_reference  # noqa: E402
 from tests.test_nemo_e2e import train  # noqa: E402
 
 SESSION = "tiny-gpt"  # tests/support/nemo_train.py's session id for --route nvrx
+SESSION_OF_GLOBAL_STEP_CHECK = "job"  # tests/support/nvrx_global_step_rank.py's
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
@@ -128,3 +130,36 @@ def test_bad_calls_raise_a_clear_error_and_leave_the_trainer_as_it_was(wiring_ch
     result = wiring_checks[check]
     assert result["error"] and result["error"].startswith("LocalCheckpointingError") and message in result["error"]
     assert result["after"] == result["before"], result
+
+
+@pytest.mark.parametrize(
+    "odd_view, message",
+    [
+        ("damaged", "its global step cannot be read on every rank (rank 1: RuntimeError: "),
+        ("other-step", "the ranks read different global steps from it (3 to 5)"),
+    ],
+)
+def test_a_global_checkpoint_one_rank_sees_otherwise_fails_the_restart_on_every_rank_without_a_hang(
+    tmp_path, shm_dir, odd_view, message
+):
+    """NeMo's hierarchical IO reads the global step between find_latest and the collective load it picks by it:
+    rank 1 failing to read it, or reading another step (5 > local 4: it would load the global checkpoint while
+    rank 0 loads the local one), must raise the same clear error on both ranks, not leave one waiting in a load."""
+    code = launch_ranks(
+        str(REPO / "tests" / "support" / "nvrx_global_step_rank.py"),
+        ["--base", str(shm_dir), "--out", str(tmp_path), "--odd-rank", "1", "--odd-view", odd_view],
+        nproc=2,
+        timeout=90,  # deadline: the ranks' process group gives up after 60 s
+        log_dir=tmp_path / "logs",
+        popen=nemo_popen,
+    )
+    logs = "\n".join(p.read_text()[-3000:] for p in sorted((tmp_path / "logs").glob("rank-*.log")))
+    assert code == 0, logs
+    errors = [json.loads((tmp_path / f"load-rank-{rank}.json").read_text())["error"] for rank in range(2)]
+    for error in errors:
+        assert error and error.startswith(
+            "LocalCheckpointingError: the restart cannot choose between local "
+            "checkpoint iteration 4 and the global checkpoint"
+        ), errors
+        assert message in error, errors
+    assert committed_steps(CheckpointLayout(shm_dir / SESSION_OF_GLOBAL_STEP_CHECK)) == [4]  # the local one intact

@@ -20,11 +20,13 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
+import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 from nemo.lightning.pytorch.local_ckpt import MCoreHierarchicalCheckpointIO
 from nemo.utils.callbacks.dist_ckpt_io import AsyncFinalizableCheckpointIO
 from nvidia_resiliency_ext.ptl_resiliency.local_checkpoint_callback import LocalCheckpointCallback
 
+from ml_flashpoint_nemo.core.topology import problems_of_every_rank, reduced_ints
 from ml_flashpoint_nemo.nvrx.manager import FlashpointLocalCheckpointManager, LocalCheckpointingError
 from ml_flashpoint_nemo.replication.service import ReplicationConfig
 
@@ -143,14 +145,45 @@ def use_flashpoint_local_checkpoints(
 
 
 def _global_iteration_fn(read: Callable[[Any], int], manager: FlashpointLocalCheckpointManager) -> Callable[[Any], int]:
-    """The global iteration of `path`; -1 for a local version directory (no global checkpoint to compare)."""
+    """Collective: the global iteration of `path`, the same on every rank; -1 for a local version directory.
+
+    NVRx's hierarchical IO calls it on every rank after find_latest and then enters the collective
+    load of whichever checkpoint is newer: a read that fails or answers otherwise on one rank would
+    send that rank elsewhere while the others wait in the load. One all-reduce of 24 B first tells
+    every rank whether any read failed and the lowest and highest step read.
+    """
 
     def global_iteration(path: Any) -> int:
-        if path and Path(path).absolute().parent == manager.base_dir:
-            return -1
-        return read(path)
+        step, problem = -1, None
+        try:
+            if not (path and Path(path).absolute().parent == manager.base_dir):
+                step = int(read(path))
+        except Exception as exc:  # noqa: BLE001 - every rank must learn it before the load's collectives
+            problem = f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"
+        return _agreed_global_iteration(path, step, problem, manager.latest_iteration)
 
     return global_iteration
+
+
+def _agreed_global_iteration(path: Any, step: int, problem: str | None, local_iteration: int) -> int:
+    """Collective: `step` when every rank read the same one; else LocalCheckpointingError on every rank."""
+    any_failed, highest, negated_lowest = reduced_ints([int(problem is not None), step, -step])
+    what = (
+        f"the restart cannot choose between local checkpoint iteration {local_iteration} and the global "
+        f"checkpoint {str(path)!r}"
+    )
+    if any_failed:
+        failed = problems_of_every_rank(problem)
+        raise LocalCheckpointingError(
+            f"{what}: its global step cannot be read on every rank ({'; '.join(failed)}). Repair or remove that "
+            "global checkpoint on the ranks named, or pass get_global_ckpt_iteration_fn, then restart"
+        )
+    if highest != -negated_lowest:
+        raise LocalCheckpointingError(
+            f"{what}: the ranks read different global steps from it ({-negated_lowest} to {highest}). Make every "
+            "rank see the same global checkpoint, then restart"
+        )
+    return highest
 
 
 def _answer_content_metadata_of_local_versions(strategy: Any, io: FlashpointHierarchicalCheckpointIO) -> None:

@@ -32,7 +32,7 @@ from ml_flashpoint_nemo.core.version_files import MEGATRON_CONFIG_BYTES, MEGATRO
 from ml_flashpoint_nemo.megatron import FlashpointLoadStrategy, FlashpointSaveStrategy  # noqa: E402
 from ml_flashpoint_nemo.replication.choice import choose_version  # noqa: E402
 from tests.support import manager_hooks  # noqa: E402
-from tests.support.multiproc import expect_failure, scenario_main  # noqa: E402
+from tests.support.multiproc import expect_failure, node_base, scenario_main  # noqa: E402
 from tests.support.orphans import wait_gone  # noqa: E402
 
 ROWS_PER_RANK = 4
@@ -595,11 +595,6 @@ def uninspectable_worker_fails_its_save_everywhere(p: dict[str, Any]) -> None:
     """Rank 1's persistent worker is killed and its process object closed, so that asking it anything
     raises on rank 1 alone: the save in flight must fail on every rank, and the next one commit."""
     saves_around_a_lost_worker(p, close_process=True)
-
-
-def node_base(p: dict[str, Any]) -> str:
-    """Base directory of this rank's "node": ranks_per_node consecutive ranks share one."""
-    return p["bases"][dist.get_rank() // p["ranks_per_node"]]
 
 
 def common_state_on_every_node(p: dict[str, Any]) -> None:

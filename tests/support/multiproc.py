@@ -27,7 +27,7 @@ from tests.support.fork_server import MEGATRON_PRELOAD, TORCH_PRELOAD, popen_pre
 # The scenario modules whose ranks import Megatron-core; the others get a server with torch only.
 _MEGATRON_MODULES = {"elastic_scenarios", "lifecycle_scenarios", "megatron_scenarios", "replication_scenarios"}
 
-__all__ = ["REPO", "expect_failure", "free_port", "run_ranks", "run_world", "scenario_main"]
+__all__ = ["REPO", "expect_failure", "free_port", "node_base", "run_ranks", "run_world", "scenario_main"]
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -84,6 +84,13 @@ def _kill_group(proc: Any) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def node_base(p: dict[str, Any]) -> str:
+    """Base directory of this rank's simulated "node": p["ranks_per_node"] consecutive ranks share p["bases"][i]."""
+    import torch.distributed as dist
+
+    return p["bases"][dist.get_rank() // p["ranks_per_node"]]
 
 
 def expect_failure(action: Callable[[], Any], label: str) -> None:

@@ -26,8 +26,8 @@ from ml_flashpoint_nemo.core.versions import committed_steps  # noqa: E402
 from ml_flashpoint_nemo.megatron import FlashpointSaveStrategy  # noqa: E402
 from ml_flashpoint_nemo.replication import ReplicationConfig  # noqa: E402
 from ml_flashpoint_nemo.replication.choice import choose_version  # noqa: E402
-from tests.support.megatron_scenarios import check_loaded, load, node_base, save  # noqa: E402
-from tests.support.multiproc import scenario_main  # noqa: E402
+from tests.support.megatron_scenarios import check_loaded, load, save  # noqa: E402
+from tests.support.multiproc import node_base, scenario_main  # noqa: E402
 
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, force=True,
                     format="%(levelname)s %(name)s: %(message)s")
