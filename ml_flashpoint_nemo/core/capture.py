@@ -5,8 +5,9 @@ tensors into its pool buffer in a background thread while training goes on. Trai
 write to a captured tensor before its copy is done: every write site waits here first. The
 optimizer step is the write that always comes (NeMo's FlashpointCallback waits in
 on_before_optimizer_step; install_optimizer_step_guard makes every torch optimizer's step wait,
-for the Megatron and DCP adapters used without NeMo); loads into the same tensors and the pool's
-release wait as well.
+for the Megatron adapter used without NeMo); loads into the same tensors and the pool's release
+wait as well. Writes in the forward (a BatchNorm's running statistics, say) are not guarded:
+overlapped capture is for states that only the optimizer step and loads write (docs/design.md).
 """
 
 from __future__ import annotations

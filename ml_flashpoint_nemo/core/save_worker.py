@@ -68,9 +68,9 @@ def seal_and_report(job: SealJob, threads: int, report_queue: Any, token: str, t
               f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
 
 
-# A background copy ends within the trainer's worker_timeout_s or fails the save there; this only
-# keeps a worker whose trainer lost the message from waiting forever.
-COPY_WAIT_S = 3600.0
+# A background copy ends within seconds (a memory copy) or fails the save; this bounds the wait of a
+# seal whose trainer lost the message, which then fails its save (NeMo's worker_timeout_s is 600 s too).
+COPY_WAIT_S = 600.0
 
 
 def serve(trainer_pid: int, ready: multiprocessing.synchronize.Event, boot_hook: Callable[[], Any] | None,

@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 import weakref
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -313,14 +313,36 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
             nodes.copy_version_to_every_node(writer.layout, writer.step)
             replication.replicate(writer.step)  # in the background, never blocks training
 
+        channel = self._copy_outcome_channel_or_wait(writer)
         if writer.staged is None:  # staging failed: nothing to write, finalize reports it on every rank
             return AsyncRequest(None, (), [finalize])
         token = writer.save_id  # unique to this save; the object's path is not (pool buffers are reused)
         args: tuple[Any, ...] = (writer.staged.seal_job, self.threads, reports.queue, token, os.getpid())
-        if writer.staged.copying is not None:
-            capture.install_optimizer_step_guard()
-            args += (self._copy_outcome_channel(writer.staged.copying),)
+        if channel is not None:
+            args += (channel,)
         return AsyncRequest(seal_and_report, args, [finalize])
+
+    def _copy_outcome_channel_or_wait(self, writer: _StagingWriter) -> Any:
+        """The channel the seal waits on for this save's background copy, or None when it need not wait.
+
+        Never raises (the other ranks are past their last collective of this save): without a channel
+        (the Manager failed on this rank) the copy is waited for here, and a failed copy fails the
+        save as a failed staging does, on every rank at finalize.
+        """
+        copying = writer.staged.copying if writer.staged is not None else None
+        if copying is None:
+            return None
+        capture.install_optimizer_step_guard()
+        try:
+            return self._copy_outcome_channel(copying)
+        except Exception as exc:  # noqa: BLE001 - handled below, the same way on this rank as a staging failure
+            logger.warning("flashpoint: no channel to the save worker (%s: %s); this save waits for its copy",
+                           type(exc).__name__, exc)
+        wait([copying])
+        if copying.exception() is not None:
+            writer.stage_error = f"the background copy failed: {copying.exception()!r}"
+            writer.abandon()
+        return None
 
     def _copy_outcome_channel(self, copying: "Future[object]") -> Any:
         """A Manager queue that gets the background copy's outcome (None, or why it failed) once it ends."""
@@ -449,6 +471,7 @@ class FlashpointLoadStrategy(TorchDistLoadShardedStrategy):
     """Loads RAM versions saved by FlashpointSaveStrategy through Megatron's usual load flow."""
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: str | Path) -> StateDict:
+        capture.wait_for_captures("a load")  # it may overwrite tensors an overlapped save still copies
         reader, metadata, reformulation = self._checked_on_every_rank(sharded_state_dict, checkpoint_dir)
         sharded_state_dict, restore_data = apply_nd_flattened_tensors_reformulation(sharded_state_dict, reformulation)
         shape_checked = [t for t in nested_values(sharded_state_dict)

@@ -87,8 +87,7 @@ def refuse_unguarded_writes(trainer: Any, pl_module: Any) -> None:
     NeMo's EMA callback swaps weights into the parameters through .data around validation; Megatron's MoE
     router updates its expert bias buffer in place right after the backward (docs/design.md lists each write).
     """
-    emas = [type(c).__name__ for c in trainer.callbacks if type(c).__name__ == "EMA"]
-    if emas:
+    if any(cls.__name__ == "EMA" for c in trainer.callbacks for cls in type(c).__mro__):  # and its subclasses
         raise TrainerSetupError("flashpoint option overlap_capture cannot be used with NeMo's EMA callback (it writes "
                                 "the parameters while a save may still copy them); drop one of the two")
     if getattr(getattr(pl_module, "config", None), "moe_router_enable_expert_bias", False):

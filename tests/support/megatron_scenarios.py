@@ -432,7 +432,9 @@ def a_due_save_waits_while_one_is_sealing(p: dict[str, Any]) -> None:
 def overlapped_capture_holds_the_optimizer_step(p: dict[str, Any]) -> None:
     """Overlapped capture on live parameters: each save returns before its copy ends (the copy is slowed by an
     injected delay); the optimizer step right after it waits for the copy, and the version holds the values of
-    before the step, bit for bit. Rank 1's copy of step 2 fails: that save fails on every rank, step 3 commits."""
+    before the step, bit for bit. Rank 1's copy of step 2 fails: that save fails on every rank, step 3 commits.
+    At step 4 rank 1 cannot make the channel to its worker (its Manager failed): it waits for its copy in the
+    save instead, and step 4 commits on every rank."""
     from ml_flashpoint_nemo.core import saver as saver_module
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -451,8 +453,13 @@ def overlapped_capture_holds_the_optimizer_step(p: dict[str, Any]) -> None:
     failing = [False]
     saver_module.background_copy = slow_copy
     saved = {}
-    for step in (1, 2, 3):
+    def no_channel(copying: Any) -> Any:
+        raise ConnectionResetError("injected: the Manager is gone")
+
+    for step in (1, 2, 3, 4):
         failing[0] = step == 2
+        if step == 4 and rank == 1:
+            strategy._copy_outcome_channel = no_channel  # type: ignore[method-assign]
         state = {"w": ShardedTensor.from_rank_offsets("w", weight.detach(), (0, rank, world))}
         started = time.monotonic()
         request = dist_checkpointing.save(state, version_dir(p["base"], step), sharded_strategy=strategy,
@@ -472,8 +479,8 @@ def overlapped_capture_holds_the_optimizer_step(p: dict[str, Any]) -> None:
     saver_module.background_copy = copy
     loaded = dist_checkpointing.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros_like(weight),
                                                                           (0, rank, world))},
-                                     os.path.join(p["base"], "step-3"), sharded_strategy=FlashpointLoadStrategy())
-    print("EXACT", torch.equal(loaded["w"], saved[3]), "CHANGED", not torch.equal(saved[3], weight.detach()),
+                                     os.path.join(p["base"], "step-4"), sharded_strategy=FlashpointLoadStrategy())
+    print("EXACT", torch.equal(loaded["w"], saved[4]), "CHANGED", not torch.equal(saved[4], weight.detach()),
           flush=True)
     print("COMMITTED", committed_steps(CheckpointLayout(p["base"])), flush=True)
     queue.close()
