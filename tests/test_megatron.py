@@ -111,19 +111,17 @@ def test_a_due_save_is_deferred_while_the_previous_one_is_sealing_then_taken(bas
 
 def test_overlapped_capture_makes_the_optimizer_step_wait_and_saves_the_state_before_it(base_dir):
     outputs = run_world("megatron_scenarios", "overlapped_capture_holds_the_optimizer_step", 2,
-                        {"base": str(base_dir), "delay_s": 1.5}, timeout=150)
-    for output in outputs:
+                        {"base": str(base_dir)}, timeout=150)
+    for rank, output in enumerate(outputs):
         for step in (1, 2, 3, 4):
-            returned, waited = map(float, re.search(rf"STEP {step} save returned in ([\d.]+)s, optimizer step "
-                                                     r"waited ([\d.]+)s", output).groups())
-            assert returned + waited >= 1.45, output  # the step came after the copy, which took >= 1.5 s (2 decimals)
-            if step in (2, 3):  # the save did not wait for it (the first one starts up; rank 1's 4th waits in it)
-                assert returned < 1.5, output
+            # the save returned with its copy in flight (rank 1's 4th, without a channel, waited for it), and the
+            # optimizer step began only once it was done
+            after_save = 0 if (rank, step) == (1, 4) else 1
+            assert f"STEP {step} in flight after the save {after_save}, at the optimizer step 0" in output, output
         assert "SAVE 2 FAILED: FlashpointError" in output and "background copy failed" in output, output
-        assert "EXACT True CHANGED True" in output, output
+        for step in (1, 3, 4):
+            assert f"STEP {step} EXACT True CHANGED True" in output, output
     assert committed_steps(CheckpointLayout(base_dir)) == [3, 4]
-    # without its channel, rank 1's 4th save waited for its own copy before returning (and still committed)
-    assert float(re.search(r"STEP 4 save returned in ([\d.]+)s", outputs[1]).group(1)) >= 1.45, outputs[1]
 
 
 def test_a_hung_worker_fails_its_save_everywhere_within_the_timeout(base_dir):

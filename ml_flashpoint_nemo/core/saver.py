@@ -217,15 +217,9 @@ class CheckpointSaver:
         self, buffer: _core.ShmBuffer, values: list[PreparedValue], entries: list[IndexEntry]
     ) -> array.array:
         """Copy what the C++ engine cannot read (bytes, strided and device values) now; the ops of the rest."""
-        direct_ops = array.array("Q")
-        others = []
-        for value, entry in zip(values, entries):
-            if value.tensor is not None and value.is_direct:
-                direct_ops.extend((value.tensor.data_ptr() if value.nbytes else 0, entry.offset, value.nbytes))
-            else:
-                others.append((value, entry))
-        if others:
-            self._copy_with_torch(buffer, others, checksum=False)
+        direct_ops, _, indirect_positions = _split_direct(values, entries)
+        if indirect_positions:
+            self._copy_with_torch(buffer, [(values[p], entries[p]) for p in indirect_positions], checksum=False)
         direct_ops.extend(self._padding_ops)
         return direct_ops
 
@@ -287,16 +281,7 @@ class CheckpointSaver:
     ) -> list[int]:
         """Copy every value to its record's offset and zero the gaps; returns the records' CRC32Cs."""
         crcs = [0] * len(values)
-        direct_ops = array.array("Q")
-        direct_positions = []
-        indirect_positions = []
-        for position, (value, entry) in enumerate(zip(values, entries)):
-            tensor = value.tensor
-            if tensor is not None and value.is_direct:
-                direct_ops.extend((tensor.data_ptr() if value.nbytes else 0, entry.offset, value.nbytes))
-                direct_positions.append(position)
-            else:
-                indirect_positions.append(position)
+        direct_ops, direct_positions, indirect_positions = _split_direct(values, entries)
         direct_ops.extend(padding_ops)  # in the same parallel pass; their CRCs are not needed
         copied = _core.copy_into_buffer(buffer, direct_ops, checksum, self.threads)
         for position, crc in zip(direct_positions, copied[: len(direct_positions)]):
@@ -416,6 +401,21 @@ class StagedObject:
     seal_job: SealJob
     data_nbytes: int
     copying: "Future[object] | None" = None  # the background copy, while stage_object(in_background=True) runs it
+
+
+def _split_direct(values: list[PreparedValue], entries: list[IndexEntry]) -> tuple[array.array, list[int], list[int]]:
+    """(source, offset, nbytes) ops of the values the C++ engine copies, their positions, the other positions."""
+    direct_ops = array.array("Q")
+    direct_positions: list[int] = []
+    indirect_positions: list[int] = []
+    for position, (value, entry) in enumerate(zip(values, entries)):
+        tensor = value.tensor
+        if tensor is not None and value.is_direct:
+            direct_ops.extend((tensor.data_ptr() if value.nbytes else 0, entry.offset, value.nbytes))
+            direct_positions.append(position)
+        else:
+            indirect_positions.append(position)
+    return direct_ops, direct_positions, indirect_positions
 
 
 def background_copy(buffer: _core.ShmBuffer, ops: array.array, threads: int, keep_alive: object) -> None:

@@ -430,11 +430,17 @@ def a_due_save_waits_while_one_is_sealing(p: dict[str, Any]) -> None:
 
 
 def overlapped_capture_holds_the_optimizer_step(p: dict[str, Any]) -> None:
-    """Overlapped capture on live parameters: each save returns before its copy ends (the copy is slowed by an
-    injected delay); the optimizer step right after it waits for the copy, and the version holds the values of
-    before the step, bit for bit. Rank 1's copy of step 2 fails: that save fails on every rank, step 3 commits.
-    At step 4 rank 1 cannot make the channel to its worker (its Manager failed): it waits for its copy in the
-    save instead, and step 4 commits on every rank."""
+    """Overlapped capture on live parameters: each save returns with its copy still held back (it waits for
+    `release`, set by a timer only once the save returned); the optimizer step right after it must wait for the
+    copy, which a step pre-hook registered after ours sees as no copy in flight, and each committed version holds
+    the values of before its step, bit for bit. Rank 1's copy of step 2 fails: that save fails on every rank,
+    step 3 commits. At step 4 rank 1 cannot make the channel to its worker (its Manager failed): it waits for its
+    copy in the save instead, and step 4 commits on every rank."""
+    import threading
+
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from ml_flashpoint_nemo.core import capture
     from ml_flashpoint_nemo.core import saver as saver_module
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -443,45 +449,48 @@ def overlapped_capture_holds_the_optimizer_step(p: dict[str, Any]) -> None:
     strategy = FlashpointSaveStrategy(overlap_capture=True)
     queue = AsyncCallsQueue(persistent=False)
     copy = saver_module.background_copy
+    release = threading.Event()
+    failing = [False]
+    at_step: list[int] = []  # copies in flight when an optimizer step begins, after our guard's hook
 
-    def slow_copy(*args: Any) -> None:
-        time.sleep(p["delay_s"])  # the injected slowness of a large copy, not a synchronisation
+    def held_copy(*args: Any) -> None:
+        assert release.wait(120), "the test never released the copy"
         if dist.get_rank() == 1 and failing[0]:
             raise OSError("injected: the background copy failed")
         copy(*args)
 
-    failing = [False]
-    saver_module.background_copy = slow_copy
-    saved = {}
     def no_channel(copying: Any) -> Any:
         raise ConnectionResetError("injected: the Manager is gone")
 
+    saver_module.background_copy = held_copy
     for step in (1, 2, 3, 4):
         failing[0] = step == 2
+        release.clear()
         if step == 4 and rank == 1:
             strategy._copy_outcome_channel = no_channel  # type: ignore[method-assign]
+            release.set()  # this save waits for its copy itself
         state = {"w": ShardedTensor.from_rank_offsets("w", weight.detach(), (0, rank, world))}
-        started = time.monotonic()
         request = dist_checkpointing.save(state, version_dir(p["base"], step), sharded_strategy=strategy,
                                           async_sharded_save=True)
-        returned = time.monotonic() - started
-        saved[step] = weight.detach().clone()
+        after_save = capture.copies_in_flight()
+        if step == 1:  # after the first overlapped save installed ours, so it runs second
+            register_optimizer_step_pre_hook(lambda *unused: at_step.append(capture.copies_in_flight()))
+        saved = weight.detach().clone()
+        threading.Timer(0.3, release.set).start()  # a step not held by our guard begins long before this
         weight.grad = torch.ones_like(weight)
-        started = time.monotonic()
         optimizer.step()  # writes the captured tensor in place: must wait for the copy
-        stepped = time.monotonic() - started
-        print(f"STEP {step} save returned in {returned:.2f}s, optimizer step waited {stepped:.2f}s", flush=True)
+        print(f"STEP {step} in flight after the save {after_save}, at the optimizer step {at_step[-1]}", flush=True)
         queue.schedule_async_request(request)
         if step == 2:
             expect_failure(lambda: queue.maybe_finalize_async_calls(blocking=True), "SAVE 2 FAILED")
-        else:
-            queue.maybe_finalize_async_calls(blocking=True)
+            continue
+        queue.maybe_finalize_async_calls(blocking=True)
+        loaded = dist_checkpointing.load(
+            {"w": ShardedTensor.from_rank_offsets("w", torch.zeros_like(weight), (0, rank, world))},
+            os.path.join(p["base"], f"step-{step}"), sharded_strategy=FlashpointLoadStrategy())
+        print(f"STEP {step} EXACT", torch.equal(loaded["w"], saved), "CHANGED", not torch.equal(saved, weight.detach()),
+              flush=True)
     saver_module.background_copy = copy
-    loaded = dist_checkpointing.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros_like(weight),
-                                                                          (0, rank, world))},
-                                     os.path.join(p["base"], "step-4"), sharded_strategy=FlashpointLoadStrategy())
-    print("EXACT", torch.equal(loaded["w"], saved[4]), "CHANGED", not torch.equal(saved[4], weight.detach()),
-          flush=True)
     print("COMMITTED", committed_steps(CheckpointLayout(p["base"])), flush=True)
     queue.close()
     strategy.close()
