@@ -21,6 +21,7 @@ import logging
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -94,6 +95,7 @@ from ml_flashpoint_nemo.dcp.writer import (
 from ml_flashpoint_nemo.errors import CorruptCheckpointError, FlashpointError, ManagerStartError
 from ml_flashpoint_nemo.megatron.coordinator_items import CoordinatorItems, compact_report
 from ml_flashpoint_nemo.megatron.worker_reports import WorkerReports
+from ml_flashpoint_nemo.megatron.write_recipe import WriteRecipe
 
 if TYPE_CHECKING:  # the service is imported at the first save (it loads the transfer machinery)
     from ml_flashpoint_nemo.replication.service import ReplicationConfig, ReplicationService
@@ -128,6 +130,8 @@ class _StagingWriter(MemoryStorageWriter):
         self.staged: StagedObject | None = None
         self.stage_error: str | None = None
         self.items: PlannedItems = ((), ())  # record key and DCP index of each item of this rank's plan
+        self.keep_resolved = False  # set for a save a WriteRecipe is to be learnt from
+        self.resolved: dict[str, Any] | None = None  # what the planner resolved, when keep_resolved
 
     def prepare_write_data(self, plan: SavePlan, planner: SavePlanner) -> None:
         """Blocking phase: copy this rank's items into a pool buffer (checksums come later).
@@ -135,19 +139,25 @@ class _StagingWriter(MemoryStorageWriter):
         A failure here (a full tmpfs, say) is kept for finalize, which reports it on every
         rank: raising now would leave the other ranks waiting in finalize's collectives.
         """
+        self.stage_items(lambda: resolve_write_items(plan, planner))
+
+    def stage_items(self, resolve: Callable[[], tuple[dict[str, Any], PlannedItems]]) -> None:
+        """Stage the items resolve() gives (the planner's, or a WriteRecipe's replay); never raises."""
         try:
-            self._stage(plan, planner)
+            self._stage(resolve)
         except Exception as exc:  # noqa: BLE001 - reported to every rank at finalize
             self.abandon()
             self.stage_error = f"staging failed: {type(exc).__name__}: {exc}"
             logger.debug("flashpoint staging of step %s failed on rank %d", self.step, self.rank, exc_info=True)
 
-    def _stage(self, plan: SavePlan, planner: SavePlanner) -> None:
+    def _stage(self, resolve: Callable[[], tuple[dict[str, Any], PlannedItems]]) -> None:
         self.rank = dist.get_rank()
         saver = self._saver_for_rank()
         retire_superseded(self.layout.base_dir, keep=self.keep, rank=self.rank, pool=saver.pool,
                           world_size=dist.get_world_size())
-        flat, self.items = resolve_write_items(plan, planner)
+        flat, self.items = resolve()
+        if self.keep_resolved:
+            self.resolved = flat
         first = saver not in _WARMED_SAVERS
         self.staged = saver.stage_object(self.step, flat, overwrite=True, defer_checksums=True,
                                          in_background=self.overlap_capture)
@@ -217,6 +227,8 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         self._signature: int | None = None
         self._cached_plans: tuple[SavePlan, SavePlan, bool] | None = None  # (central, local, validated)
         self._cached_metadata: Metadata | None = None
+        self._recipe: WriteRecipe | None = None  # how saves under the cached plan take their items
+        self.recipe_saves = 0  # saves staged by replaying the recipe (the rest went through DCP's planner)
         self._coordinator_items = CoordinatorItems()  # the plan number; on rank 0, every rank's items of a plan
         self._nodes: NodeCopies | None = None
         self._close_lock = threading.Lock()
@@ -292,21 +304,11 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         replication = self._replication_service(writer.layout.base_dir, nodes.topology)
         # The previous version survives while the newest is not replicated on every rank.
         writer.keep = replication.keep_for_next_save(self.keep)
-        pyt_state_dict = mcore_to_pyt_state_dict(sharded_state_dict, False)
-        (writer, global_metadata, _), central_plan, local_plan, _, _ = save_state_dict_async_plan(
-            pyt_state_dict,
-            writer,
-            None,
-            0,
-            planner=MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False),
-            cached_ckpt_structure=self._cached_plans if reuse_plan else None,
-        )
-        # Our signature check validates the cache, so the plans are reusable from the next save on.
-        self._cached_plans = (central_plan, local_plan, True)
-        if global_metadata is not None:
-            self._cached_metadata = global_metadata
-        else:
-            global_metadata = self._cached_metadata  # the coordinator's, from the planning save
+        if not reuse_plan:
+            self._recipe = None
+        if not (reuse_plan and self._staged_by_recipe(sharded_state_dict, writer)):
+            self._plan_and_stage(sharded_state_dict, writer, reuse_plan)
+        global_metadata = self._cached_metadata  # the coordinator's, from the planning save
 
         def finalize() -> None:
             _finalize_save(writer, global_metadata, reports, items, reused_plan=reuse_plan, plan=plan)
@@ -321,6 +323,51 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         if channel is not None:
             args += (channel,)
         return AsyncRequest(seal_and_report, args, [finalize])
+
+    def _staged_by_recipe(self, sharded_state_dict: ShardedStateDict, writer: _StagingWriter) -> bool:
+        """Stage this save by replaying the recipe learnt on the reused plan; False: it must go the long way.
+
+        Runs between the same collectives on every rank, with no collective of its own: a rank whose
+        values no longer fit the recipe goes the long way alone, which under a reused plan has none either.
+        """
+        recipe = self._recipe
+        if recipe is None:
+            return False
+        try:
+            flat = recipe.replay(sharded_state_dict)
+        except Exception as exc:  # noqa: BLE001 - an object torch cannot save: fails at finalize on every rank
+            writer.stage_error = f"staging failed: {type(exc).__name__}: {exc}"
+            return True
+        if flat is None:
+            self._recipe = None
+            return False
+        writer.set_up_storage_writer(dist.get_rank() == 0)
+        writer.stage_items(lambda: (flat, recipe.items))
+        self.recipe_saves += 1
+        return True
+
+    def _plan_and_stage(self, sharded_state_dict: ShardedStateDict, writer: _StagingWriter, reuse_plan: bool) -> None:
+        """The long way: Megatron's conversion and DCP's planning (reused when unchanged), then staging.
+
+        Learns the recipe that later saves of this structure replay instead.
+        """
+        writer.keep_resolved = True
+        pyt_state_dict = mcore_to_pyt_state_dict(sharded_state_dict, False)
+        (_, global_metadata, _), central_plan, local_plan, _, _ = save_state_dict_async_plan(
+            pyt_state_dict,
+            writer,
+            None,
+            0,
+            planner=MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False),
+            cached_ckpt_structure=self._cached_plans if reuse_plan else None,
+        )
+        # Our signature check validates the cache, so the plans are reusable from the next save on.
+        self._cached_plans = (central_plan, local_plan, True)
+        if global_metadata is not None:
+            self._cached_metadata = global_metadata
+        resolved, writer.resolved, writer.keep_resolved = writer.resolved, None, False
+        if resolved is not None and writer.stage_error is None:
+            self._recipe = WriteRecipe.learn(sharded_state_dict, resolved, writer.items)
 
     def _copy_outcome_channel_or_wait(self, writer: _StagingWriter) -> Any:
         """The channel the seal waits on for this save's background copy, or None when it need not wait.

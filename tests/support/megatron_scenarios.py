@@ -114,6 +114,8 @@ def roundtrip(p: dict[str, Any]) -> None:
         save(p, step, queue, strategy)
     for step in (2, 3):  # keep=1: the newest and the one before the last save survive
         check_loaded(load(p, step), step)
+    base = strategy.base_strategy if hasattr(strategy, "base_strategy") else strategy
+    assert base.recipe_saves == 2, base.recipe_saves  # saves 2 and 3 replayed the recipe learnt on save 1
     if queue is not None:
         queue.close()
     (strategy.base_strategy if hasattr(strategy, "base_strategy") else strategy).close()
@@ -162,17 +164,33 @@ def interrupted_config_rewrite_is_repaired(p: dict[str, Any]) -> None:
 
 
 def plan_reused_only_while_structure_is_unchanged(p: dict[str, Any]) -> None:
-    """Saves 1-2 share a structure (the plan is reused); save 3 adds a tensor on rank 1 only."""
+    """Saves 1-4 share a structure (the plan is reused); save 5 adds a tensor on rank 1 only.
+
+    Under the reused plan a save replays the write recipe learnt on the last save that went the
+    long way (Megatron's conversion and DCP's planner), unless a value no longer fits it: at save 3
+    rank 1's weight is a non-contiguous tensor, so rank 1 alone goes the long way (and learns no
+    recipe from it: a replay could not give that view), save 4 relearns. Every version loads exactly.
+    """
     strategy = save_strategy(p)
-    for step in (1, 2, 3):
+    recipe_saves = []
+    for step in (1, 2, 3, 4, 5):
         state = sharded_state(step)
         if step == 3 and dist.get_rank() == 1:
+            weight = state["layer.weight"]
+            weight.data = weight.data.t().contiguous().t()  # the same values, column-major
+            assert not weight.data.is_contiguous()
+        if step == 5 and dist.get_rank() == 1:
             state["extra"] = ShardedTensor.from_rank_offsets("extra", torch.full((5,), 7.0), replica_id=0)
         dist_checkpointing.save(state, version_dir(p["base"], step), sharded_strategy=strategy)
-    template = sharded_state(3, zeros=True)
+        recipe_saves.append(strategy.recipe_saves)
+        if step < 5:
+            check_loaded(load(p, step), step)
+    expected = [0, 1, 2, 3, 3] if dist.get_rank() == 0 else [0, 1, 1, 1, 1]
+    assert recipe_saves == expected, (dist.get_rank(), recipe_saves)
+    template = sharded_state(5, zeros=True)
     template["extra"] = ShardedTensor.from_rank_offsets("extra", torch.zeros(5), replica_id=dist.get_rank())
-    loaded = dist_checkpointing.load(template, os.path.join(p["base"], "step-3"), sharded_strategy=load_strategy(p))
-    check_loaded(loaded, 3)
+    loaded = dist_checkpointing.load(template, os.path.join(p["base"], "step-5"), sharded_strategy=load_strategy(p))
+    check_loaded(loaded, 5)
     assert torch.equal(loaded["extra"], torch.full((5,), 7.0)), loaded["extra"]
 
 
@@ -354,10 +372,10 @@ def staging_fails_on_one_rank_before_its_persistent_worker(p: dict[str, Any]) ->
     dist.barrier()
     stage = strategies._StagingWriter._stage
 
-    def stage_failing_step_1(self: Any, plan: Any, planner: Any) -> None:
+    def stage_failing_step_1(self: Any, resolve: Any) -> None:
         if dist.get_rank() == 1 and self.step == 1:
             raise OSError("injected: no room to stage step 1")
-        stage(self, plan, planner)
+        stage(self, resolve)
 
     strategies._StagingWriter._stage = stage_failing_step_1  # type: ignore[method-assign]
     for step in (1, 2):
