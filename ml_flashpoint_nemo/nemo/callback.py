@@ -133,7 +133,7 @@ class FlashpointCallback(Callback):
         started = time.perf_counter()
         if self.drain is not None:
             self._durable_names[step] = durable_name(trainer, step)
-        trainer.save_checkpoint(version_path(self.settings, step), storage_options={FLASHPOINT_SAVE: True})
+        save_without_barrier(trainer, version_path(self.settings, step), {FLASHPOINT_SAVE: True})
         self._blocking[step] = time.perf_counter() - started
         self._last_saved_step = step
 
@@ -390,3 +390,19 @@ def _durable_dir_preparer(trainer: Any, durable: Path, context: Path, token: str
             captured.io_dump(context, yaml_attrs=["model"])
 
     return prepare
+
+
+def save_without_barrier(trainer: Any, path: Any, storage_options: dict[str, Any]) -> None:
+    """Lightning's Trainer.save_checkpoint without the barrier it ends with.
+
+    That barrier lets file-based saves finish on every rank before any goes on; a RAM save is
+    agreed and committed by its own collectives, so there it only made every save wait for the
+    slowest rank. Lightning's own steps otherwise (dump_checkpoint, then the strategy's
+    save_checkpoint); a trainer without them takes Trainer.save_checkpoint whole.
+    """
+    dump_checkpoint = getattr(getattr(trainer, "_checkpoint_connector", None), "dump_checkpoint", None)
+    if trainer.model is None or dump_checkpoint is None:
+        trainer.save_checkpoint(path, storage_options=storage_options)
+        return
+    checkpoint = dump_checkpoint(False)
+    trainer.strategy.save_checkpoint(checkpoint, path, storage_options=storage_options)
