@@ -1,5 +1,5 @@
-"""The benchmarks (bench_core.py, bench_crc32c.py, bench_transfer_authz.py, bench_first_save.py) run end to end on
-tiny inputs and report every measurement."""
+"""The benchmarks (bench_core.py, bench_crc32c.py, bench_transfer_authz.py, bench_first_save.py,
+bench_save_phases.py) run end to end on tiny inputs and report every measurement."""
 
 from __future__ import annotations
 
@@ -82,3 +82,16 @@ def test_bench_first_save_compares_the_first_save_with_later_ones_and_times_the_
     assert not any(shm_dir.iterdir()), "the benchmark left files behind"
     refused = subprocess.run([*command[:7], "1"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "--saves must be at least 2" in refused.stderr
+
+
+def test_bench_save_phases_times_steady_saves_the_long_way_and_by_the_recipe():
+    command = [sys.executable, "benchmarks/bench_save_phases.py", "--parts", "tensors", "--tensors", "40", "--saves",
+               "4", "--repeats", "1", "--json"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout.splitlines()[-1])["tensors"]
+    assert report["saves_per_config"] == {"long": 4, "recipe": 4}  # saves 3 and 4 of each rank
+    long, recipe = report["median_ms"]["long"], report["median_ms"]["recipe"]
+    assert long["megatron: mcore_to_pyt_state_dict"] > 0 and "recipe: replay+staging" not in long
+    assert recipe["recipe: replay+staging"] > 0 and "megatron: mcore_to_pyt_state_dict" not in recipe
+    assert report["recipe_over_long"] > 0
