@@ -121,7 +121,8 @@ def test_overlapped_capture_makes_the_optimizer_step_wait_and_saves_the_state_be
         assert "SAVE 2 FAILED: FlashpointError" in output and "background copy failed" in output, output
         for step in (1, 3, 4):
             assert f"STEP {step} EXACT True CHANGED True" in output, output
-    assert committed_steps(CheckpointLayout(base_dir)) == [3, 4]
+        assert "LOAD in flight after it 0, STEP 5 EXACT True CHANGED True" in output, output  # the load waited
+    assert committed_steps(CheckpointLayout(base_dir)) == [4, 5]
 
 
 def test_a_hung_worker_fails_its_save_everywhere_within_the_timeout(base_dir):
