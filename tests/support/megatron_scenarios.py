@@ -453,8 +453,9 @@ def overlapped_capture_holds_the_optimizer_step(p: dict[str, Any]) -> None:
     copy, which a step pre-hook registered after ours sees as no copy in flight, and each committed version holds
     the values of before its step, bit for bit. Rank 1's copy of step 2 fails: that save fails on every rank,
     step 3 commits. At step 4 rank 1 cannot make the channel to its worker (its Manager failed): it waits for its
-    copy in the save instead, and step 4 commits on every rank. At step 5 a load of step 4 into the live parameter
-    (a restore) runs while the copy is held: it must wait for the copy, and version 5 holds the values before it."""
+    copy in the save instead, and step 4 commits on every rank. At step 5 the save's worker is forked while the copy
+    is held, then a load of step 4 into the live parameter (a restore) runs: it must wait for the copy, the worker's
+    seal must wait for the copy's outcome, and version 5 holds the values from before the load."""
     import threading
 
     from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -516,11 +517,11 @@ def overlapped_capture_holds_the_optimizer_step(p: dict[str, Any]) -> None:
     request = dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", weight.detach(), (0, rank, world))},
                                       version_dir(p["base"], 5), sharded_strategy=strategy, async_sharded_save=True)
     saved = weight.detach().clone()
+    queue.schedule_async_request(request)  # forks this save's worker while the capture thread holds its copy
     threading.Timer(0.3, release.set).start()
     dist_checkpointing.load({"w": ShardedTensor.from_rank_offsets("w", weight.detach(), (0, rank, world))},
                             os.path.join(p["base"], "step-4"), sharded_strategy=FlashpointLoadStrategy())
     after_load = capture.copies_in_flight()
-    queue.schedule_async_request(request)
     queue.maybe_finalize_async_calls(blocking=True)
     loaded = dist_checkpointing.load(
         {"w": ShardedTensor.from_rank_offsets("w", torch.zeros_like(weight), (0, rank, world))},
