@@ -215,7 +215,7 @@ def peer_endpoints(base_dir: str | os.PathLike[str], config: ReplicationConfig |
     secret = agree_on_secret()
     server, address = None, None
     try:
-        Path(base_dir).mkdir(parents=True, exist_ok=True)
+        Path(base_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
         host = advertised_host(config.host)
         policy = transfer_policy(topology, config.factor if receive_pushes else None)
         server = _core.TransferServer(os.fspath(base_dir), secret, host=host, port=config.port,
