@@ -617,15 +617,24 @@ def prune_foreign_objects(layout: CheckpointLayout, topology: NodeTopology, *,
     would stay forever; this moves them into the replica spare directory (up to spare_bytes,
     see ReplicationConfig.spare_bytes), where the next received replica reuses their pages,
     deletes the rest and then removes the empty directory.
+
+    Orphans go the same way: uncommitted directories newer than the newest commit (or with no
+    commit at all) that hold other nodes' objects, none of this node's and no version file. No
+    placement makes them a version here (a push needs this node's own object or version file in
+    its step, docs/security.md), so they are what an older release let in, and they must not take
+    the room of this node's own saves.
     """
     committed = committed_steps(layout)
-    if not committed:
-        return []
     own = set(topology.ranks_of_node(topology.node))
+    newest = committed[-1] if committed else -1
     retired = {step: _foreign_objects(layout.version_dir(step), own) for step in layout.version_steps()
-               if step < committed[-1] and not layout.is_committed(step)}
+               if step < newest and not layout.is_committed(step)}
+    retired.update(_orphans(layout, own, newer_than=newest))
+    if not retired and not committed:
+        return []
     if spare_bytes is None:  # one version's replicas: the newest's, or a retired one's while the newest's arrive
-        versions = [_foreign_objects(layout.version_dir(committed[-1]), own), *retired.values()]
+        newest_files = _foreign_objects(layout.version_dir(newest), own) if committed else []
+        versions = [newest_files, *retired.values()]
         spare_bytes = max(sum(size for _, size in files) for files in versions)
     spares = SpareFiles(layout, spare_bytes)
     for step, files in retired.items():
@@ -637,6 +646,23 @@ def prune_foreign_objects(layout: CheckpointLayout, topology: NodeTopology, *,
             pass  # this node's own ranks still have objects there; they remove the directory
     spares.trim()
     return sorted(step for step, files in retired.items() if files)
+
+
+def _orphans(layout: CheckpointLayout, own: set[int], *, newer_than: int) -> dict[int, list[tuple[Path, int]]]:
+    """Uncommitted version directories newer than newer_than holding other nodes' objects, none of own's and no
+    version file (which only this node writes)."""
+    found = {}
+    for step in layout.version_steps():
+        if step <= newer_than or layout.is_committed(step):
+            continue
+        try:
+            names = os.listdir(layout.version_dir(step))
+        except FileNotFoundError:
+            continue
+        owners = {rank_of_object(name) for name in names} - {None}
+        if owners and not owners & own and not set(names) & set(PEER_VERSION_FILES):
+            found[step] = _foreign_objects(layout.version_dir(step), own)
+    return found
 
 
 def _foreign_objects(directory: Path, own: set[int]) -> list[tuple[Path, int]]:
