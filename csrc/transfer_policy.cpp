@@ -182,6 +182,11 @@ std::string TransferPolicy::refuse_push(uint32_t client_rank, const std::string&
   return "";
 }
 
+bool TransferPolicy::is_own_object(const std::string& name) const {
+  uint64_t values[2] = {0, 0};
+  return object_name_.match(name, values) && values[0] <= UINT32_MAX && own_ranks_.count(static_cast<uint32_t>(values[0]));
+}
+
 std::string TransferPolicy::refuse_fetch(uint32_t, const std::string& path) const {
   PolicyPath parsed;
   return parse(path, &parsed);
@@ -214,6 +219,13 @@ std::string ExpectedSizes::refuse(const std::string& path, bool has_step, uint64
   if (has_step && steps_.count(step))
     return "this node's commit record of step " + std::to_string(step) + " does not list it";
   return "";
+}
+
+bool ExpectedSizes::lists(const std::string& path) const {
+  std::lock_guard<std::mutex> lk(m_);
+  for (const auto& s : steps_)
+    if (s.second.count(path)) return true;
+  return false;
 }
 
 }  // namespace flashpoint

@@ -62,6 +62,12 @@ class TransferPolicy {
   // Why client_rank may not fetch path (empty: it may).
   std::string refuse_fetch(uint32_t client_rank, const std::string& path) const;
   std::string describe() const;
+  // True when name is a version directory's name; *step is then its step.
+  bool version_step(const std::string& name, uint64_t* step) const { return version_dir_.match(name, step); }
+  // True when name is an object written by one of this node's ranks.
+  bool is_own_object(const std::string& name) const;
+  // True when name is a version file (written by this node only: peers never push one).
+  bool is_version_file(const std::string& name) const { return version_files_.count(name) != 0; }
 
  private:
   // Empty and *out filled when path is a layout path; else why not.
@@ -83,6 +89,8 @@ class ExpectedSizes {
   void expect(uint64_t step, std::map<std::string, uint64_t> sizes);
   // Why a push of size bytes to path (of step, when has_step) is refused; empty when it is not.
   std::string refuse(const std::string& path, bool has_step, uint64_t step, uint64_t size) const;
+  // True when a commit record of this node lists path (its size is then checked by refuse).
+  bool lists(const std::string& path) const;
 
  private:
   mutable std::mutex m_;

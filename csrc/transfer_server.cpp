@@ -11,6 +11,7 @@
 #include "transfer_paths.hpp"
 #include "transfer_policy.hpp"
 #include "transfer_space.hpp"
+#include "transfer_steps.hpp"
 #include "transfer_stream.hpp"
 #include "transfer_warm.hpp"
 #include "transfer_wire.hpp"
@@ -416,6 +417,18 @@ void TransferServer::handle_push(const Connection& c, const std::string& path, u
     forbidden_.fetch_add(1);
     refuse(kForbidden, unexpected);
     return;
+  }
+  if (config_.policy) {  // only into a version this node saved itself; growth bounded without a commit record
+    const size_t slash = path.find('/');  // the policy parsed it: <version dir>/<object>
+    bool too_large = false;
+    const std::string why = refuse_push_into_version(base_fd_, *config_.policy, path.substr(0, slash),
+                                                     path.substr(slash + 1), parsed.step, size,
+                                                     expected_->lists(path), &too_large);
+    if (!why.empty()) {
+      forbidden_.fetch_add(1);
+      refuse(too_large ? kTooLarge : kForbidden, why);
+      return;
+    }
   }
   std::unique_ptr<TempObject> tmp;
   try {

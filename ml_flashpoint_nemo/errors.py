@@ -88,6 +88,10 @@ class ReplicationSecretError(FlashpointError):
     """The replication job secret is missing on some ranks, differs between ranks, or its file is unsafe."""
 
 
+class ReplicationConfigError(FlashpointError, ValueError):
+    """A ReplicationConfig setting is out of the range the transfer service accepts."""
+
+
 class DurableDrainError(FlashpointError):
     """A durable checkpoint could not be drained from RAM; the previous durable checkpoint is intact."""
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import struct
 import subprocess
 from pathlib import Path
@@ -83,6 +84,38 @@ def test_read_only_base_dir_is_refused(small_tmpfs):
     subprocess.run(["mount", "-o", "remount,ro", str(small_tmpfs)], check=True)
     with pytest.raises(BaseDirError, match="not writable"):
         CheckpointSaver(small_tmpfs / "base")
+
+
+def test_a_new_base_dir_is_made_private(tmp_path):
+    with CheckpointSaver(tmp_path / "new" / "base"):
+        pass
+    assert (tmp_path / "new" / "base").stat().st_mode & 0o777 == 0o700
+
+
+@pytest.mark.parametrize("mode", [0o775, 0o757, 0o777])
+def test_a_base_dir_writable_by_group_or_others_is_refused_and_kept(tmp_path, mode):
+    """The ssh rule: whoever else may write the base directory can plant a version a restart loads."""
+    base = tmp_path / "base"
+    with CheckpointSaver(base) as saver:
+        saver.save(1, {"x": torch.ones(3)})
+    base.chmod(mode)
+    with pytest.raises(BaseDirError, match=rf"writable by group or others \(mode 0{mode:o}\).*Run: chmod 700 {re.escape(str(base))}$"):
+        CheckpointSaver(base)
+    base.chmod(0o755)  # not writable by others: fine, and what was there is intact
+    assert torch.equal(load_version(base, 1)["x"], torch.ones(3))
+    CheckpointSaver(base).close()
+
+
+def test_a_base_dir_owned_by_another_user_is_refused(tmp_path):
+    """We run the tests as root here, so the directory is given to another uid with chown."""
+    base = tmp_path / "base"
+    base.mkdir(mode=0o700)
+    if os.geteuid() != 0:
+        pytest.skip("giving a directory to another uid needs root")
+    os.chown(base, 4242, -1)
+    with pytest.raises(BaseDirError, match=rf"owned by uid 4242, not by this job's user \(uid 0\).*chown -R 0 {re.escape(str(base))} && chmod 700"):
+        CheckpointSaver(base)
+    assert sorted(os.listdir(base)) == []
 
 
 def test_base_dir_off_tmpfs_warns_and_works(tmp_path, caplog):

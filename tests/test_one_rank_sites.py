@@ -112,6 +112,12 @@ def test_choice_agrees_when_dropping_corrupt_objects_fails_oddly_on_one_rank(pla
     every_rank(plain["choice_when_dropping_corrupt_objects_fails_oddly"], "CHOSEN None THEN 1")
 
 
+def test_choice_refuses_on_every_rank_when_one_ranks_base_dir_is_not_private(plain):
+    every_rank(plain["choice_when_one_rank_base_dir_is_not_private"], "RAISED BaseDirError:",
+               "no RAM checkpoint is loaded on any rank", "node-1 is writable by group or others (mode 0770)",
+               "chmod 700", "THEN 1")
+
+
 # --- nemo/callback.py -----------------------------------------------------------------------------------------
 
 

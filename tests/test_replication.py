@@ -17,7 +17,7 @@ import pytest
 
 from ml_flashpoint_nemo.cli.common import scan_replica_spares
 from ml_flashpoint_nemo.cli.ls import scan_versions
-from ml_flashpoint_nemo.core.layout import CheckpointLayout, object_name
+from ml_flashpoint_nemo.core.layout import DCP_METADATA_NAME, CheckpointLayout, object_name
 from ml_flashpoint_nemo.core.loader import open_object
 from ml_flashpoint_nemo.core.topology import NodeTopology
 from ml_flashpoint_nemo.core.versions import committed_steps, list_versions, read_commit, retire_version
@@ -422,3 +422,24 @@ def test_nodes_in_network_namespaces_replicate_and_recover(shm_dir, two_namespac
     outputs = world("restart_load")
     assert all("CHOSEN 2" in out and "LOADED 2 OK" in out for out in outputs), outputs
     assert "Rank 1 fetched 1 of its objects of step 2" in outputs[1], outputs[1]  # node 0's: read by its load
+
+
+def test_orphaned_uncommitted_directories_are_pruned(shm_dir):
+    """Newer than the newest commit, with other nodes' objects and none of this node's: no placement makes
+    them a version here (what an older release accepted from a hostile member). Pruned, with their
+    directories; a newer directory holding this node's own object (a save in progress) stays."""
+    layout = CheckpointLayout(shm_dir)
+    topology = NodeTopology((0, 1), rank=1)
+    _versions_with_replicas(layout, {1: 5000})
+    for step in (7, 9):
+        layout.version_dir(step).mkdir()
+        (layout.version_dir(step) / object_name(0, 3)).write_bytes(os.urandom(1000))
+    layout.version_dir(8).mkdir()
+    (layout.version_dir(8) / object_name(1)).write_bytes(b"own, in progress")
+    (layout.version_dir(8) / object_name(0)).write_bytes(b"replica")
+    layout.version_dir(10).mkdir()  # this node's copy of the version files being written (the record last)
+    (layout.version_dir(10) / DCP_METADATA_NAME).write_bytes(b"dcp metadata")
+    (layout.version_dir(10) / object_name(0)).write_bytes(b"replica")
+    assert prune_foreign_objects(layout, topology, spare_bytes=0) == [7, 9]
+    assert layout.version_steps() == [1, 8, 10] and committed_steps(layout) == [1]
+    assert sorted(os.listdir(layout.version_dir(8))) == [object_name(0), object_name(1)]

@@ -332,7 +332,8 @@ def test_the_rank_proved_in_the_stage_is_the_rank_the_policy_checks(shm_dir):
     rank 2, outside the job, is refused in the stage without reaching a worker.
     """
     base = shm_dir / "node-1"
-    base.mkdir()
+    (base / "step-3").mkdir(parents=True)
+    (base / version_relpath(3, object_name(1))).write_bytes(b"rank 1's own object")  # this node saved step 3
     obj = version_relpath(3, object_name(0))
     data = os.urandom(100 * KiB)
     policy = transfer_policy(NodeTopology((0, 1), rank=1), 2)

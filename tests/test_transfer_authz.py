@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from ml_flashpoint_nemo import _core
-from ml_flashpoint_nemo.core.layout import CheckpointLayout, object_name, version_relpath
+from ml_flashpoint_nemo.core.layout import COMMIT_NAME, CheckpointLayout, object_name, version_relpath
 from ml_flashpoint_nemo.core.saver import CheckpointSaver
 from ml_flashpoint_nemo.core.topology import NodeTopology
 from ml_flashpoint_nemo.core.versions import committed_steps, read_commit
@@ -53,6 +53,16 @@ def own_save(base: Path, step: int, nbytes: int = 64 << 10) -> None:
         saver.commit(step, [written.record], world_size=len(JOB.node_of_rank))
     finally:
         saver.pool.close()
+
+
+NEIGHBOUR = 3  # the other rank of this node
+
+
+def saved_here(base: Path, *steps: int) -> None:
+    """This node's own save of each step has begun: its rank 3 placed its object (not committed)."""
+    for step in steps:
+        (base / f"step-{step}").mkdir(parents=True, exist_ok=True)
+        (base / version_relpath(step, object_name(NEIGHBOUR))).write_bytes(b"rank 3's own object")
 
 
 def committed_node(base: Path) -> Path:
@@ -171,12 +181,13 @@ def test_hostile_request_bytes_are_refused_with_a_status(node, server):
 
 def test_the_placements_push_lands_and_may_be_repeated(node, server):
     """What replication sends: rank 0's own object into a new version directory (one level), twice (a retry)."""
+    saved_here(node, 6, 7)
     data = os.urandom(3 * MiB + 5)
     for _ in range(2):
         r = push(server, data, version_relpath(6, object_name(PUSHER, 1)), crc32c=_core.crc32c(data))
         assert r["nbytes"] == len(data)
     assert (node / "step-6" / object_name(PUSHER, 1)).read_bytes() == data
-    assert sorted(os.listdir(node / "step-6")) == [object_name(PUSHER, 1)]
+    assert sorted(os.listdir(node / "step-6")) == [object_name(PUSHER, 1), object_name(NEIGHBOUR)]
     # The independent implementation agrees on every byte of the v3 handshake and session.
     assert peer.push(HOST, server.port, SECRET, version_relpath(7, object_name(PUSHER)), b"abc", peer_rank=ME)[0] == peer.OK
     assert server.stats()["forbidden"] == 0 and server.errors() == []
@@ -319,7 +330,10 @@ def test_slow_authenticated_peers_are_cut_at_the_minimum_rate(node):
     """Three members trickle one byte every 0.3 s (never an io timeout of 2 s): on v2 they held all three
     workers for as long as they liked. Now each ends about rate_grace_s after its data began, and an
     honest push that was queued behind them gets through."""
+    saved_here(node, 6)
     with policy_server(node, io_timeout_s=2.0, rate_grace_s=0.5) as srv:
+        srv.expect_sizes(6, {**{version_relpath(6, object_name(PUSHER, i)): 4 * MiB for i in range(3)},
+                             version_relpath(6, object_name(PUSHER, 9)): MiB})  # this node's commit record
         results: list = [None] * 3
         started = threading.Semaphore(0)
         threads = [threading.Thread(target=trickle, args=(srv.port, version_relpath(6, object_name(PUSHER, i)),
@@ -340,7 +354,7 @@ def test_slow_authenticated_peers_are_cut_at_the_minimum_rate(node):
         while temp_files(node) and time.monotonic() < deadline:
             time.sleep(0.02)
         assert temp_files(node) == []
-        assert sorted(os.listdir(node / "step-6")) == [object_name(PUSHER, 9)]
+        assert sorted(os.listdir(node / "step-6")) == [object_name(PUSHER, 9), object_name(NEIGHBOUR)]
 
 
 def test_a_fetching_client_ends_a_trickling_server(shm_dir):
@@ -379,7 +393,7 @@ def test_pushes_that_do_not_fit_together_are_refused_before_their_data(tmp_path)
     still fits, and the first push completes."""
     with mounted_tmpfs(tmp_path / "tmpfs", "64m") as mount:
         base = mount / "node-1"
-        base.mkdir()
+        saved_here(base, 5)
         with policy_server(base, rate_grace_s=60.0) as srv:
             size = 40 * MiB
             first = os.urandom(MiB) * 40
@@ -427,15 +441,88 @@ def test_a_fetch_leaves_the_margin_for_the_nodes_own_saves(tmp_path, shm_dir):
 
 def test_a_push_must_match_the_size_the_commit_record_gives(node, server):
     layout = CheckpointLayout(node)
-    (node / "step-6").mkdir()
+    saved_here(node, 6, 7)
     expected = {version_relpath(6, object_name(PUSHER)): 1000}
     server.expect_sizes(6, expected)
     with pytest.raises(_core.TransferForbiddenError, match="announces 2000 bytes.*lists 1000"):
         push(server, os.urandom(2000), version_relpath(6, object_name(PUSHER)))
     with pytest.raises(_core.TransferForbiddenError, match="step 6 does not list it"):
         push(server, os.urandom(1000), version_relpath(6, object_name(PUSHER, 1)))
-    assert os.listdir(layout.version_dir(6)) == []
+    assert os.listdir(layout.version_dir(6)) == [object_name(NEIGHBOUR)]
     data = os.urandom(1000)
     push(server, data, version_relpath(6, object_name(PUSHER)))
     assert layout.object_path(6, object_name(PUSHER)).read_bytes() == data
     push(server, os.urandom(3000), version_relpath(7, object_name(PUSHER)))  # step 7 unknown: the cap only
+
+
+# --- no space for pushes that cannot become a version (issue 31, finding 2) -----------------------
+
+
+@pytest.mark.parametrize("step", [6, 4, 10**12], ids=["the-next-step", "an-older-step", "far-ahead"])
+def test_a_push_into_a_step_this_node_has_not_saved_is_refused_and_creates_nothing(node, server, step):
+    """Before: accepted into any step (future ones never retired). A placement pushes a step only after this
+    node's own ranks placed their objects of it, so without one of them there it cannot become a version."""
+    before = snapshot(node)
+    with pytest.raises(_core.TransferForbiddenError, match=f"no version file in step {step}"):
+        push(server, os.urandom(1000), version_relpath(step, object_name(PUSHER)))
+    assert_untouched(node, before)
+    assert server.stats()["forbidden"] == 1
+
+
+def test_a_node_that_restarted_empty_takes_pushes_of_the_steps_it_saves(shm_dir):
+    """A fresh server on an empty base: nothing is accepted until this node's own save of that step placed
+    an object (uncommitted, the server told nothing); then the placement's push lands. A node whose ranks
+    saved nothing of a step still holds its copy of the commit record, which is enough."""
+    base = shm_dir / "node-1"
+    base.mkdir()
+    data = os.urandom(5000)
+    with policy_server(base) as srv:
+        with pytest.raises(_core.TransferForbiddenError, match="has not saved that step"):
+            push(srv, data, version_relpath(1, object_name(PUSHER)))
+        assert os.listdir(base) == []
+        saved_here(base, 1)
+        push(srv, data, version_relpath(1, object_name(PUSHER)))
+        (base / "step-2").mkdir()
+        (base / "step-2" / COMMIT_NAME).write_bytes(b"this node's copy of the commit record")
+        push(srv, data, version_relpath(2, object_name(PUSHER)))
+    assert (base / version_relpath(1, object_name(PUSHER))).read_bytes() == data
+    assert (base / version_relpath(2, object_name(PUSHER))).read_bytes() == data
+
+
+def test_without_a_commit_record_an_object_grows_at_most_8_times_its_previous_size(node, server):
+    """Step 5 holds rank 0's 5000-byte replica. Into step 6 (saved here, no commit record yet) rank 0 may push
+    up to 8 x 5000 bytes of that object; more is refused (too large) before its data. An object with no
+    earlier copy here (the first save) and one whose size the commit record gives are not bounded by it."""
+    saved_here(node, 6)
+    name = object_name(PUSHER)
+    with pytest.raises(_core.TransferRefusedError, match="too large.*more than 8 times the 5000 bytes"):
+        push(server, os.urandom(8 * 5000 + 1), version_relpath(6, name))
+    assert not (node / version_relpath(6, name)).exists() and temp_files(node) == []
+    push(server, os.urandom(8 * 5000), version_relpath(6, name))
+    push(server, os.urandom(100_000), version_relpath(6, object_name(PUSHER, 1)))  # no earlier copy
+    server.expect_sizes(6, {version_relpath(6, name): 100_000})  # a genuinely larger object, recorded
+    grown = os.urandom(100_000)
+    push(server, grown, version_relpath(6, name))
+    assert (node / version_relpath(6, name)).read_bytes() == grown
+
+
+def test_a_member_pushing_into_future_steps_cannot_make_the_nodes_own_save_fail(tmp_path):
+    """The review's 14 x 8 MiB in small form: a 64 MiB tmpfs holding committed step 5; a member pushes its
+    own-named 4 MiB objects into steps 6..19. Before, all 14 landed (56 MiB, never retired) and the node's
+    own 8 MiB save of step 6 then failed with OutOfSpaceError. Now every one is refused and the save fits."""
+    with mounted_tmpfs(tmp_path / "tmpfs", "64m") as mount:
+        base = mount / "node-1"
+        own_save(base, 5, 4 * MiB)
+        outcomes = []
+        with policy_server(base) as srv:
+            for step in range(6, 20):
+                try:
+                    push(srv, os.urandom(4 * MiB), version_relpath(step, object_name(PUSHER)))
+                    outcomes.append("stored")
+                except _core.TransferError as exc:
+                    outcomes.append(type(exc).__name__)
+            pushed = srv.stats()["pushes_ok"]
+        own_save(base, 6, 8 * MiB)  # before: OutOfSpaceError
+        assert outcomes == ["TransferForbiddenError"] * 14 and pushed == 0
+        assert committed_steps(CheckpointLayout(base)) == [5, 6]
+        assert CheckpointLayout(base).version_steps() == [5, 6]

@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 
 from ml_flashpoint_nemo import _core
+from ml_flashpoint_nemo.errors import ReplicationConfigError
+from ml_flashpoint_nemo.replication.service import ReplicationConfig
 from tests.support import transfer_peer as peer
 from tests.support.flood import connect_from, wait_for
 
@@ -232,3 +234,35 @@ def test_a_handshake_flood_from_one_address_does_not_starve_another(dirs):
                 durations.append(seconds)
         assert flood.opened >= 200
     assert max(durations) < 3, durations
+
+
+def test_replication_config_sets_the_servers_admission_limits(dirs):
+    """ReplicationConfig's request_timeout_s and max_queued_per_rank reach the server that
+    peer_endpoints builds from it: an idle authenticated connection is closed at 0.3 s (the server's
+    default is 2 s), and a rank's second waiting request is refused (the default lets it wait)."""
+    base, _ = dirs
+    config = ReplicationConfig(max_connections=2, request_timeout_s=0.3, max_queued_per_rank=1)
+    with _core.TransferServer(base, SECRET, **config.server_kwargs()) as srv:
+        idle = peer.client_handshake(connect_from(MEMBER, srv.port), SECRET, rank=1)
+        t0 = time.monotonic()
+        wait_for(srv, "the idle connection's request timeout", lambda s: s["request_timeouts"] == 1)
+        assert time.monotonic() - t0 < 1.5
+        idle.close()
+        sessions = stalled_pushes(srv.port, 3)  # one served, one waiting, one over the rank's limit
+        try:
+            wait_for(srv, "the third request refused", lambda s: s["rejected_rank_cap"] == 1)
+        finally:
+            for s in sessions:
+                s.close()
+    assert any("max_queued_per_rank 1" in e for e in srv.errors())
+
+
+@pytest.mark.parametrize("kwargs", [{"request_timeout_s": 0}, {"request_timeout_s": 3601},
+                                    {"request_timeout_s": "2"}, {"queue_timeout_s": float("nan")},
+                                    {"queue_timeout_s": -1.0}, {"max_queued_per_rank": 0},
+                                    {"max_queued_per_rank": 65537}, {"max_queued_per_rank": True}])
+def test_replication_config_refuses_bad_admission_limits(kwargs):
+    name = next(iter(kwargs))
+    with pytest.raises(ReplicationConfigError, match=f"ReplicationConfig.{name} must be"):
+        ReplicationConfig(**kwargs)
+    assert ReplicationConfig().server_kwargs()["max_queued_per_rank"] == 0  # the server's own default

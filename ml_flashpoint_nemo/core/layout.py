@@ -179,20 +179,27 @@ class CheckpointLayout:
             return []
         return sorted(s for s in map(step_of_version_dir, names) if s is not None)
 
+    def ensure_private(self) -> None:
+        """Raise BaseDirError when the base directory exists but is not private (not_private_problem)."""
+        problem = not_private_problem(self.base_dir)
+        if problem is not None:
+            raise BaseDirError(problem)
+
     def is_committed(self, step: int) -> bool:
         return self.commit_path(step).is_file()
 
     def ensure_writable(self) -> None:
-        """Create the base directory if needed and check it can hold checkpoints."""
+        """Create the base directory if needed (mode 0700) and check it is private and can hold checkpoints."""
         if self.base_dir.exists() and not self.base_dir.is_dir():
             raise BaseDirError(f"checkpoint base directory {self.base_dir} exists but is not a directory")
         try:
-            self.base_dir.mkdir(parents=True, exist_ok=True)
+            self.base_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as exc:
             raise BaseDirError(
                 f"cannot create checkpoint base directory {self.base_dir}: {exc.strerror}. "
                 "Pick a directory on a tmpfs you can write (e.g. under /dev/shm) or set FLASHPOINT_BASE_DIR."
             ) from exc
+        self.ensure_private()
         if not os.access(self.base_dir, os.W_OK | os.X_OK):
             raise BaseDirError(
                 f"checkpoint base directory {self.base_dir} is not writable by this process (uid {os.getuid()}). "
@@ -206,6 +213,29 @@ class CheckpointLayout:
                 self.base_dir,
                 fs_type or "an unknown filesystem",
             )
+
+
+def not_private_problem(directory: str | os.PathLike[str]) -> str | None:
+    """Why an existing directory is not private to this process's user (None: it is, or it does not exist).
+
+    The rule ssh applies to ~/.ssh: anyone else who owns the base directory, or may write it,
+    can plant a version that the next restart loads (and whose pickled parts run code).
+    """
+    try:
+        st = os.stat(directory)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"cannot inspect checkpoint base directory {directory}: {exc.strerror}"
+    me = os.geteuid()
+    if st.st_uid != me:
+        return (f"checkpoint base directory {directory} is owned by uid {st.st_uid}, not by this job's user (uid {me}), "
+                f"so that user decides what a restart loads. Remove it, or take it over and check what it holds: "
+                f"chown -R {me} {directory} && chmod 700 {directory}")
+    if st.st_mode & 0o022:
+        return (f"checkpoint base directory {directory} is writable by group or others (mode "
+                f"{st.st_mode & 0o7777:04o}), so they can change what a restart loads. Run: chmod 700 {directory}")
+    return None
 
 
 def filesystem_type(path: str | os.PathLike[str]) -> str | None:

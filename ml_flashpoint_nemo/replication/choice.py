@@ -25,13 +25,13 @@ from typing import Any
 import torch.distributed as dist
 
 from ml_flashpoint_nemo.core import remote_objects
-from ml_flashpoint_nemo.core.layout import CheckpointLayout
+from ml_flashpoint_nemo.core.layout import CheckpointLayout, not_private_problem
 from ml_flashpoint_nemo.core.loader import verify_object_file
 from ml_flashpoint_nemo.core.topology import NodeTopology, discover_nodes, problems_of_every_rank, reduced_ints
 from ml_flashpoint_nemo.core.tuning import default_copy_threads
 from ml_flashpoint_nemo.core.version_files import check_version_files
 from ml_flashpoint_nemo.core.versions import committed_steps, read_commit
-from ml_flashpoint_nemo.errors import CorruptCheckpointError
+from ml_flashpoint_nemo.errors import BaseDirError, CorruptCheckpointError
 from ml_flashpoint_nemo.replication.own_objects import CHOSEN, ELASTIC, RecoverySession, settle
 from ml_flashpoint_nemo.replication.preverify import verified_ahead
 from ml_flashpoint_nemo.replication.recovery import fetch_missing_from_peers
@@ -118,6 +118,18 @@ def _drop_corrupt_objects_on_every_rank(layout: CheckpointLayout, step: int, top
     return bool(problems_of_every_rank(", ".join(dropped) or None))
 
 
+def refuse_unless_private_everywhere(layout: CheckpointLayout) -> None:
+    """Collective: raise BaseDirError on every rank if any rank's base directory is not private to the job's user.
+
+    A directory another user owns or may write can hold a planted version; nothing is loaded from
+    any node then, since the ranks must agree (one small all-reduce when every directory is fine).
+    """
+    problem = not_private_problem(layout.base_dir)
+    failed = problems_of_every_rank(problem and f"rank {dist.get_rank()}: {problem}")
+    if failed:
+        raise BaseDirError("no RAM checkpoint is loaded on any rank: " + "; ".join(failed))
+
+
 def choose_version(base_dir: str | os.PathLike[str], config: ReplicationConfig | None = None) -> RecoveryChoice:
     """Collective: the newest step every rank can resume from, checked on every rank.
 
@@ -128,6 +140,7 @@ def choose_version(base_dir: str | os.PathLike[str], config: ReplicationConfig |
     """
     layout = CheckpointLayout(base_dir)
     remote_objects.stop_fetching(base_dir)  # a choice before this one served its loads, which every rank has done
+    refuse_unless_private_everywhere(layout)
     if dist.get_world_size() == 1:
         return _choose_with_every_object_on_every_node(base_dir, fetch=False)
     rank = dist.get_rank()

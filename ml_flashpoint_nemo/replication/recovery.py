@@ -93,7 +93,7 @@ def fetch_missing_from_peers(
     config = config or ReplicationConfig()
     layout = CheckpointLayout(base_dir)
     try:
-        layout.base_dir.mkdir(parents=True, exist_ok=True)  # a wiped node: same identity as before the wipe
+        layout.base_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # a wiped node: same identity as before the wipe
     except OSError:
         pass
     topology = discover_nodes(base_dir)

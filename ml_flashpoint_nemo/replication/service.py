@@ -53,7 +53,7 @@ from ml_flashpoint_nemo.core.layout import (
 )
 from ml_flashpoint_nemo.core.topology import NodeTopology, reduced_ints
 from ml_flashpoint_nemo.core.versions import committed_steps, read_commit
-from ml_flashpoint_nemo.errors import CorruptCheckpointError, FormatVersionError
+from ml_flashpoint_nemo.errors import CorruptCheckpointError, FormatVersionError, ReplicationConfigError
 from ml_flashpoint_nemo.replication.placement import DEFAULT_FACTOR, effective_factor, push_sources, push_targets
 from ml_flashpoint_nemo.replication.secret import agree_on_secret
 
@@ -71,6 +71,25 @@ UNDER_REPLICATED = "under-replicated"
 SKIPPED = "skipped"  # a newer version was committed before this one's push began: never pushed, nothing failed
 UNKNOWN = "unknown"
 OFF = "off"
+
+
+def check_admission_limits(request_timeout_s: float, queue_timeout_s: float, max_queued_per_rank: int | None) -> None:
+    """Raise ReplicationConfigError unless the server's admission limits are in the ranges it accepts.
+
+    Checked when the config is made, so a bad value fails alike on every rank, before any collective.
+    """
+    def seconds_in(name: str, value: object, high: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= high:
+            raise ReplicationConfigError(f"ReplicationConfig.{name} must be a number of seconds in (0, {high:g}], "
+                                         f"got {value!r}; pass a value in that range or leave the default")
+
+    seconds_in("request_timeout_s", request_timeout_s, 3600)
+    seconds_in("queue_timeout_s", queue_timeout_s, 86400)
+    if max_queued_per_rank is not None and (isinstance(max_queued_per_rank, bool)
+                                            or not isinstance(max_queued_per_rank, int)
+                                            or not 1 <= max_queued_per_rank <= 65536):
+        raise ReplicationConfigError(f"ReplicationConfig.max_queued_per_rank must be an integer in 1..65536 or None "
+                                     f"(a quarter of the queue, at most 4), got {max_queued_per_rank!r}")
 
 
 @dataclass(frozen=True)
@@ -103,6 +122,23 @@ class ReplicationConfig:
     # Bytes a push into this node, or a recovery's fetch onto it, must leave free for the node's own
     # saves (None: 1/32 of its file system).
     space_margin_bytes: int | None = None
+    # Admission limits of this rank's transfer server (docs/security.md, "Availability"): an
+    # authenticated connection must send its whole request within request_timeout_s (in (0, 3600]),
+    # a request waits at most queue_timeout_s (in (0, 86400]) for a worker, and one rank has at most
+    # max_queued_per_rank requests waiting (1..65536; None: a quarter of the queue, at most 4).
+    request_timeout_s: float = 2.0
+    queue_timeout_s: float = 10.0
+    max_queued_per_rank: int | None = None
+
+    def __post_init__(self) -> None:
+        check_admission_limits(self.request_timeout_s, self.queue_timeout_s, self.max_queued_per_rank)
+
+    def server_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of this rank's _core.TransferServer that this config sets."""
+        return {"max_connections": self.max_connections, "io_timeout_s": self.io_timeout_s,
+                "min_rate_bytes_per_s": self.min_rate_bytes_per_s, "rate_grace_s": self.rate_grace_s,
+                "space_margin_bytes": self.space_margin_bytes, "request_timeout_s": self.request_timeout_s,
+                "queue_timeout_s": self.queue_timeout_s, "max_queued_per_rank": self.max_queued_per_rank or 0}
 
     def transfer_kwargs(self) -> dict[str, Any]:
         return {"connect_timeout_s": self.connect_timeout_s, "io_timeout_s": self.io_timeout_s,
@@ -179,15 +215,12 @@ def peer_endpoints(base_dir: str | os.PathLike[str], config: ReplicationConfig |
     secret = agree_on_secret()
     server, address = None, None
     try:
-        Path(base_dir).mkdir(parents=True, exist_ok=True)
+        Path(base_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
         host = advertised_host(config.host)
         policy = transfer_policy(topology, config.factor if receive_pushes else None)
         server = _core.TransferServer(os.fspath(base_dir), secret, host=host, port=config.port,
-                                      max_connections=config.max_connections, io_timeout_s=config.io_timeout_s,
                                       spare_dir=REPLICA_SPARES, rank=topology.rank, policy=policy,
-                                      min_rate_bytes_per_s=config.min_rate_bytes_per_s,
-                                      rate_grace_s=config.rate_grace_s,
-                                      space_margin_bytes=config.space_margin_bytes)
+                                      **config.server_kwargs())
         address = (host, server.port)
     except Exception as exc:  # noqa: BLE001 - peers learn this rank is unreachable through the gather
         logger.warning("Rank %d: the replication transfer server did not start: %s: %s",
@@ -584,15 +617,24 @@ def prune_foreign_objects(layout: CheckpointLayout, topology: NodeTopology, *,
     would stay forever; this moves them into the replica spare directory (up to spare_bytes,
     see ReplicationConfig.spare_bytes), where the next received replica reuses their pages,
     deletes the rest and then removes the empty directory.
+
+    Orphans go the same way: uncommitted directories newer than the newest commit (or with no
+    commit at all) that hold other nodes' objects, none of this node's and no version file. No
+    placement makes them a version here (a push needs this node's own object or version file in
+    its step, docs/security.md), so they are what an older release let in, and they must not take
+    the room of this node's own saves.
     """
     committed = committed_steps(layout)
-    if not committed:
-        return []
     own = set(topology.ranks_of_node(topology.node))
+    newest = committed[-1] if committed else -1
     retired = {step: _foreign_objects(layout.version_dir(step), own) for step in layout.version_steps()
-               if step < committed[-1] and not layout.is_committed(step)}
+               if step < newest and not layout.is_committed(step)}
+    retired.update(_orphans(layout, own, newer_than=newest))
+    if not retired and not committed:
+        return []
     if spare_bytes is None:  # one version's replicas: the newest's, or a retired one's while the newest's arrive
-        versions = [_foreign_objects(layout.version_dir(committed[-1]), own), *retired.values()]
+        newest_files = _foreign_objects(layout.version_dir(newest), own) if committed else []
+        versions = [newest_files, *retired.values()]
         spare_bytes = max(sum(size for _, size in files) for files in versions)
     spares = SpareFiles(layout, spare_bytes)
     for step, files in retired.items():
@@ -604,6 +646,23 @@ def prune_foreign_objects(layout: CheckpointLayout, topology: NodeTopology, *,
             pass  # this node's own ranks still have objects there; they remove the directory
     spares.trim()
     return sorted(step for step, files in retired.items() if files)
+
+
+def _orphans(layout: CheckpointLayout, own: set[int], *, newer_than: int) -> dict[int, list[tuple[Path, int]]]:
+    """Uncommitted version directories newer than newer_than holding other nodes' objects, none of own's and no
+    version file (which only this node writes)."""
+    found = {}
+    for step in layout.version_steps():
+        if step <= newer_than or layout.is_committed(step):
+            continue
+        try:
+            names = os.listdir(layout.version_dir(step))
+        except FileNotFoundError:
+            continue
+        owners = {rank_of_object(name) for name in names} - {None}
+        if owners and not owners & own and not set(names) & set(PEER_VERSION_FILES):
+            found[step] = _foreign_objects(layout.version_dir(step), own)
+    return found
 
 
 def _foreign_objects(directory: Path, own: set[int]) -> list[tuple[Path, int]]:

@@ -176,6 +176,24 @@ def choice_when_dropping_corrupt_objects_fails_oddly(root: Path) -> str:
         return f"CHOSEN {chosen.step} THEN {choice.choose_version(node_base(root)).step}"
 
 
+def choice_when_one_rank_base_dir_is_not_private(root: Path) -> str:
+    """Rank 1's base directory is group-writable: every rank refuses to load (BaseDirError naming the chmod);
+    once it is chmod 700 again, the choice takes step 1."""
+    committed_on_two_nodes(root)
+    if dist.get_rank() == 1:
+        node_base(root).chmod(0o770)
+    dist.barrier()
+    with environment(**{SECRET_ENV: SECRET}):
+        try:
+            choice.choose_version(node_base(root))
+        except BaseDirError as exc:
+            failure = f"RAISED {type(exc).__name__}: {exc}"
+        else:
+            failure = "RETURNED"
+        node_base(root).chmod(0o700)
+        return f"{failure} THEN {choice.choose_version(node_base(root)).step}"
+
+
 CASES: dict[str, Case] = {f.__name__: f for f in (
     discover_nodes_when_one_rank_has_no_identity,
     room_check_when_one_rank_cannot_stat,
@@ -188,6 +206,7 @@ CASES: dict[str, Case] = {f.__name__: f for f in (
     recovery_when_one_leader_cannot_fetch_the_version_files,
     recovery_when_one_rank_cannot_fetch_an_object,
     choice_when_dropping_corrupt_objects_fails_oddly,
+    choice_when_one_rank_base_dir_is_not_private,
 )}
 
 
