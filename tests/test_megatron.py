@@ -148,7 +148,8 @@ def test_manager_failure_on_one_rank_fails_the_first_save_on_every_rank(base_dir
 
 
 def test_cached_plan_is_dropped_when_one_rank_changes_structure(base_dir):
-    run("plan_reused_only_while_structure_is_unchanged", 2, base=base_dir)
+    outputs = run("plan_reused_only_while_structure_is_unchanged", 2, base=base_dir)
+    assert all("SAVE 4 FAILED: FlashpointError" in out and "staging failed" in out for out in outputs), outputs
 
 
 @pytest.mark.parametrize("mode", ["temporal", "persistent"])

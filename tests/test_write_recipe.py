@@ -56,3 +56,23 @@ def test_values_that_no_longer_fit_go_the_long_way():
     no_data["w"][0].data = None
     assert recipe.replay(no_data) is None
     assert recipe.replay({"rng": values["rng"]}) is None
+
+
+def test_each_item_is_bound_to_the_shard_at_its_offset_even_when_shards_alias_at_learning():
+    """Two local shards of one key whose data are one tensor when the recipe is learnt: each item must still take
+    the shard at its own offset afterwards, not the first shard with that storage (which would save the other
+    shard's values under this one's offset, silently)."""
+
+    def values(first: torch.Tensor, second: torch.Tensor) -> dict:
+        return {"m": [ShardedTensor("m", first, torch.float32, (4,), (8,), (0,), None),
+                      ShardedTensor("m", second, torch.float32, (4,), (8,), (4,), None)]}
+
+    shared = torch.full((4,), 1.0)
+    learnt_from = values(shared, shared)
+    items = (("m@0", "m@4"), (MetadataIndex("m", (0,)), MetadataIndex("m", (4,))))
+    recipe = WriteRecipe.learn(learnt_from, {"m@0": shared, "m@4": shared}, items)
+    assert recipe is not None
+    later = values(torch.full((4,), 2.0), torch.full((4,), -2.0))
+    flat = recipe.replay(later)
+    assert flat is not None
+    assert torch.equal(flat["m@0"], later["m"][0].data) and torch.equal(flat["m@4"], later["m"][1].data)

@@ -105,6 +105,9 @@ logger = logging.getLogger(__name__)
 BACKEND = "ml_flashpoint"
 VERSION = 1
 _SAVE_CANNOT_START = 2  # above "the structure changed" (1) in the all-reduce of every save
+# A plan whose values keep failing their recipe (a value made contiguous by Megatron's conversion every
+# save, say) stops learning new ones: each would cost a replay on the learning save and be dropped again.
+_RECIPES_BEFORE_GIVING_UP = 2
 
 
 def _split_checkpoint_dir(checkpoint_dir: str | os.PathLike[str]) -> tuple[CheckpointLayout, str]:
@@ -228,7 +231,8 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         self._cached_plans: tuple[SavePlan, SavePlan, bool] | None = None  # (central, local, validated)
         self._cached_metadata: Metadata | None = None
         self._recipe: WriteRecipe | None = None  # how saves under the cached plan take their items
-        self.recipe_saves = 0  # saves staged by replaying the recipe (the rest went through DCP's planner)
+        self._recipes_dropped = 0  # recipes of the cached plan a save's values no longer fitted
+        self.recipe_saves = 0  # saves whose items came from the recipe (the rest went through DCP's planner)
         self._coordinator_items = CoordinatorItems()  # the plan number; on rank 0, every rank's items of a plan
         self._nodes: NodeCopies | None = None
         self._close_lock = threading.Lock()
@@ -305,9 +309,16 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         # The previous version survives while the newest is not replicated on every rank.
         writer.keep = replication.keep_for_next_save(self.keep)
         if not reuse_plan:
-            self._recipe = None
+            self._recipe, self._recipes_dropped = None, 0
         if not (reuse_plan and self._staged_by_recipe(sharded_state_dict, writer)):
-            self._plan_and_stage(sharded_state_dict, writer, reuse_plan)
+            if reuse_plan:
+                try:  # no collective under a reused plan: a failure here must not leave this rank alone
+                    self._plan_and_stage(sharded_state_dict, writer, reuse_plan)
+                except Exception as exc:  # noqa: BLE001 - fails the save at finalize, on every rank
+                    writer.abandon()
+                    writer.stage_error = f"staging failed: {type(exc).__name__}: {exc}"
+            else:  # DCP's planning collectives raise a failure on every rank themselves
+                self._plan_and_stage(sharded_state_dict, writer, reuse_plan)
         global_metadata = self._cached_metadata  # the coordinator's, from the planning save
 
         def finalize() -> None:
@@ -340,6 +351,7 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
             return True
         if flat is None:
             self._recipe = None
+            self._recipes_dropped += 1
             return False
         writer.set_up_storage_writer(dist.get_rank() == 0)
         writer.stage_items(lambda: (flat, recipe.items))
@@ -351,7 +363,7 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
 
         Learns the recipe that later saves of this structure replay instead.
         """
-        writer.keep_resolved = True
+        writer.keep_resolved = self._recipes_dropped < _RECIPES_BEFORE_GIVING_UP
         pyt_state_dict = mcore_to_pyt_state_dict(sharded_state_dict, False)
         (_, global_metadata, _), central_plan, local_plan, _, _ = save_state_dict_async_plan(
             pyt_state_dict,
@@ -366,8 +378,12 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         if global_metadata is not None:
             self._cached_metadata = global_metadata
         resolved, writer.resolved, writer.keep_resolved = writer.resolved, None, False
-        if resolved is not None and writer.stage_error is None:
-            self._recipe = WriteRecipe.learn(sharded_state_dict, resolved, writer.items)
+        if resolved is not None and writer.stage_error is None and self._recipes_dropped < _RECIPES_BEFORE_GIVING_UP:
+            try:
+                self._recipe = WriteRecipe.learn(sharded_state_dict, resolved, writer.items)
+            except Exception:  # noqa: BLE001 - no recipe: the next save goes the long way again
+                logger.debug("no write recipe learnt from the save of step %s", writer.step, exc_info=True)
+                self._recipe = None
 
     def _copy_outcome_channel_or_wait(self, writer: _StagingWriter) -> Any:
         """The channel the seal waits on for this save's background copy, or None when it need not wait.

@@ -30,7 +30,7 @@ ShardedValues = Mapping[str, Sequence[ShardedBase]]  # Megatron's state dict aft
 class _TensorItem:
     key: str  # the sharded key (DCP's fqn)
     position: int  # which of that key's local shards
-    offset: tuple[int, ...]  # the shard's global offset when the recipe was learnt
+    offset: tuple[int, ...] | None  # the DCP item's offset, which the shard must still have
     shape: torch.Size  # the view DCP's planner resolved (with Megatron's prepended axes)
     numel: int
 
@@ -52,7 +52,8 @@ class WriteRecipe:
         """The recipe that reproduces `resolved` (what the planner gave for `items`) from `values`; None if none does.
 
         values are the sharded values the long way converted (Megatron's conversion left each
-        tensor's data as the view it resolved), so each tensor item is found by its storage.
+        tensor's data as the view it resolved). Each tensor item is bound to the one shard of its
+        key at the item's offset, as DCP finds it, and that shard's data must be the resolved view.
         """
         steps: list[_TensorItem | _ObjectsItem] = []
         for record_key, index in zip(*items):
@@ -63,15 +64,17 @@ class WriteRecipe:
             if not isinstance(data, torch.Tensor):
                 steps.append(_ObjectsItem(index.fqn))
                 continue
-            position = next((i for i, shard in enumerate(shards) if isinstance(shard, ShardedTensor)
-                             and _same_view(shard.data, data)), None)
-            if position is None:
-                return None  # resolved to a copy or to something else: only the long way knows it
-            shard = shards[position]
-            assert isinstance(shard, ShardedTensor), "found above"
-            steps.append(_TensorItem(index.fqn, position, tuple(shard.global_offset), data.shape, data.numel()))
+            offset = tuple(index.offset) if index.offset is not None else None
+            at_offset = [i for i, shard in enumerate(shards) if isinstance(shard, ShardedTensor)
+                         and _item_offset(shard) == offset]
+            if len(at_offset) != 1 or not _same_view(shards[at_offset[0]].data, data):
+                return None  # resolved to a copy, or no single shard is at that offset: only the long way knows it
+            steps.append(_TensorItem(index.fqn, at_offset[0], offset, data.shape, data.numel()))
         recipe = cls(tuple(steps), items)
-        replayed = recipe.replay(values)
+        try:
+            replayed = recipe.replay(values)
+        except Exception:  # noqa: BLE001 - no recipe: the long way serializes (and fails) the save itself
+            return None
         if replayed is None or not _identical(replayed, resolved):
             return None
         return recipe
@@ -79,32 +82,51 @@ class WriteRecipe:
     def replay(self, values: ShardedValues) -> dict[str, Any] | None:
         """This save's items, by record key in plan order (as resolve_write_items gives them); None: go the long way.
 
-        May raise what torch.save raises for an object; the caller fails the save on every rank then.
+        Every tensor item is checked before any object is serialized. May raise what torch.save
+        raises for an object; the caller fails the save on every rank then.
         """
+        tensors: dict[str, torch.Tensor] = {}
+        for record_key, step in zip(self.items[0], self._steps):
+            if isinstance(step, _TensorItem):
+                tensor = _replayed_tensor(values, step)
+                if tensor is None:
+                    return None
+                tensors[record_key] = tensor
         flat: dict[str, Any] = {}
         for record_key, step in zip(self.items[0], self._steps):
+            if isinstance(step, _TensorItem):
+                flat[record_key] = tensors[record_key]
+                continue
             shards = values.get(step.key)
             if not shards:
                 return None
-            if isinstance(step, _ObjectsItem):
-                buffer = io.BytesIO()
-                torch.save([getattr(shard, "data", None) for shard in shards], buffer)
-                flat[record_key] = buffer.getbuffer()
-                continue
-            shard = shards[step.position] if step.position < len(shards) else None
-            if not isinstance(shard, ShardedTensor) or shard.data is None or tuple(shard.global_offset) != step.offset:
-                return None
-            tensor = shard.data
-            if tensor.requires_grad or type(tensor) is not torch.Tensor:
-                tensor = tensor.detach()  # as Megatron's conversion does: a plain tensor, outside autograd
-            if tensor.shape != step.shape:
-                if not tensor.is_contiguous() or tensor.numel() != step.numel:
-                    return None
-                tensor = tensor.view(step.shape)  # Megatron's prepended axes
-            elif not tensor.is_contiguous():
-                return None
-            flat[record_key] = tensor
+            buffer = io.BytesIO()
+            torch.save([getattr(shard, "data", None) for shard in shards], buffer)  # as Megatron's conversion does
+            flat[record_key] = buffer.getbuffer()
         return flat
+
+
+def _item_offset(shard: ShardedTensor) -> tuple[int, ...]:
+    """The offset of the DCP write item Megatron makes of a shard (flattened shards: chunk offset + range start)."""
+    if shard.flattened_range is None:
+        return tuple(shard.global_offset)
+    return (*shard.local_chunk_offset_in_global(), shard.flattened_range.start)
+
+
+def _replayed_tensor(values: ShardedValues, step: _TensorItem) -> torch.Tensor | None:
+    """The tensor item `step` takes from this save's values, the view the planner resolved; None if it no longer fits."""
+    shards = values.get(step.key)
+    shard = shards[step.position] if shards and step.position < len(shards) else None
+    if not isinstance(shard, ShardedTensor) or shard.data is None or _item_offset(shard) != step.offset:
+        return None
+    tensor = shard.data.detach()  # as Megatron's conversion does: an alias outside autograd
+    if not tensor.is_contiguous():
+        return None  # the long way would make a contiguous copy (or stage a strided view): let it
+    if tensor.shape != step.shape:
+        if tensor.numel() != step.numel:
+            return None
+        tensor = tensor.view(step.shape)  # Megatron's prepended axes
+    return tensor
 
 
 def _same_view(candidate: Any, resolved: torch.Tensor) -> bool:
@@ -123,6 +145,6 @@ def _identical(replayed: Mapping[str, Any], resolved: Mapping[str, Any]) -> bool
                     and ours.shape == theirs.shape and ours.stride() == theirs.stride()
                     and ours.dtype == theirs.dtype and ours.device == theirs.device):
                 return False
-        elif isinstance(ours, torch.Tensor) or bytes(ours) != bytes(theirs):
-            return False
+        elif isinstance(ours, torch.Tensor) or memoryview(ours).cast("B") != memoryview(theirs).cast("B"):
+            return False  # compared in place: an object's bytes are not copied again
     return True

@@ -398,10 +398,12 @@ def save_without_barrier(trainer: Any, path: Any, storage_options: dict[str, Any
     That barrier lets file-based saves finish on every rank before any goes on; a RAM save is
     agreed and committed by its own collectives, so there it only made every save wait for the
     slowest rank. Lightning's own steps otherwise (dump_checkpoint, then the strategy's
-    save_checkpoint); a trainer without them takes Trainer.save_checkpoint whole.
+    save_checkpoint); a trainer whose class overrides save_checkpoint takes its own whole.
     """
+    from lightning.pytorch import Trainer
+
     dump_checkpoint = getattr(getattr(trainer, "_checkpoint_connector", None), "dump_checkpoint", None)
-    if trainer.model is None or dump_checkpoint is None:
+    if trainer.model is None or dump_checkpoint is None or type(trainer).save_checkpoint is not Trainer.save_checkpoint:
         trainer.save_checkpoint(path, storage_options=storage_options)
         return
     checkpoint = dump_checkpoint(False)

@@ -164,33 +164,42 @@ def interrupted_config_rewrite_is_repaired(p: dict[str, Any]) -> None:
 
 
 def plan_reused_only_while_structure_is_unchanged(p: dict[str, Any]) -> None:
-    """Saves 1-4 share a structure (the plan is reused); save 5 adds a tensor on rank 1 only.
+    """Saves 1-5 share a structure (the plan is reused); save 6 adds a tensor on rank 1 only.
 
     Under the reused plan a save replays the write recipe learnt on the last save that went the
     long way (Megatron's conversion and DCP's planner), unless a value no longer fits it: at save 3
     rank 1's weight is a non-contiguous tensor, so rank 1 alone goes the long way (and learns no
-    recipe from it: a replay could not give that view), save 4 relearns. Every version loads exactly.
+    recipe from it: a replay could not give that view). At save 4 rank 1, still without a recipe,
+    goes the long way with an object torch cannot save: that save fails on every rank (no rank
+    raises alone), and save 5 relearns. Every committed version loads exactly.
     """
     strategy = save_strategy(p)
     recipe_saves = []
-    for step in (1, 2, 3, 4, 5):
+    for step in (1, 2, 3, 4, 5, 6):
         state = sharded_state(step)
         if step == 3 and dist.get_rank() == 1:
             weight = state["layer.weight"]
             weight.data = weight.data.t().contiguous().t()  # the same values, column-major
             assert not weight.data.is_contiguous()
-        if step == 5 and dist.get_rank() == 1:
+        if step == 4 and dist.get_rank() == 1:
+            state["rng"].data = {"seed": lambda: step}  # torch.save cannot pickle a lambda
+        if step == 6 and dist.get_rank() == 1:
             state["extra"] = ShardedTensor.from_rank_offsets("extra", torch.full((5,), 7.0), replica_id=0)
-        dist_checkpointing.save(state, version_dir(p["base"], step), sharded_strategy=strategy)
+        directory = version_dir(p["base"], step)
+        if step == 4:
+            expect_failure(lambda: dist_checkpointing.save(state, directory, sharded_strategy=strategy),
+                           "SAVE 4 FAILED")
+        else:
+            dist_checkpointing.save(state, directory, sharded_strategy=strategy)
         recipe_saves.append(strategy.recipe_saves)
-        if step < 5:
+        if step not in (4, 6):
             check_loaded(load(p, step), step)
-    expected = [0, 1, 2, 3, 3] if dist.get_rank() == 0 else [0, 1, 1, 1, 1]
+    expected = [0, 1, 2, 3, 4, 4] if dist.get_rank() == 0 else [0, 1, 1, 1, 1, 1]
     assert recipe_saves == expected, (dist.get_rank(), recipe_saves)
-    template = sharded_state(5, zeros=True)
+    template = sharded_state(6, zeros=True)
     template["extra"] = ShardedTensor.from_rank_offsets("extra", torch.zeros(5), replica_id=dist.get_rank())
-    loaded = dist_checkpointing.load(template, os.path.join(p["base"], "step-5"), sharded_strategy=load_strategy(p))
-    check_loaded(loaded, 5)
+    loaded = dist_checkpointing.load(template, os.path.join(p["base"], "step-6"), sharded_strategy=load_strategy(p))
+    check_loaded(loaded, 6)
     assert torch.equal(loaded["extra"], torch.full((5,), 7.0)), loaded["extra"]
 
 
