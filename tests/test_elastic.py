@@ -8,6 +8,11 @@ model says it must hold. Regular and flattened (distributed-optimizer) ShardedTe
 
 from __future__ import annotations
 
+import shutil
+import uuid
+from pathlib import Path
+from typing import Iterator
+
 import pytest
 
 from ml_flashpoint_nemo.core import committed_steps, verify_version
@@ -44,9 +49,26 @@ def test_fully_parallel_load_reshards_too(base_dir):
     assert all("LOADED 1 tp 1 world 2" in out for out in outputs), outputs
 
 
+@pytest.fixture(scope="module")
+def saved_tp2_with_torch_dist(tmp_path_factory) -> Iterator[tuple[Path, Path]]:
+    """Step 1 saved once by 2 ranks in TP2, through ours (a RAM base) and through torch_dist (a durable dir); each
+    case below loads from its own copy of both. The torch_dist save starts Megatron's results-queue Manager, a
+    spawned interpreter per rank that imports the scenario module again: most of a case's time."""
+    base = Path("/dev/shm") / f"flashpoint-test-{uuid.uuid4().hex[:12]}"
+    durable = tmp_path_factory.mktemp("elastic-durable") / "durable"
+    try:
+        run("save_layout", 2, base=base, step=1, tp=2, durable=durable)
+        yield base, durable
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
 @pytest.mark.parametrize("kind", ["global_shape", "missing_key", "flattened_shape"])
-def test_request_the_version_cannot_satisfy_fails_clearly_as_with_torch_dist(base_dir, tmp_path, kind):
-    run("save_layout", 2, base=base_dir, step=1, tp=2, durable=tmp_path / "durable")
+def test_request_the_version_cannot_satisfy_fails_clearly_as_with_torch_dist(saved_tp2_with_torch_dist, base_dir,
+                                                                            tmp_path, kind):
+    saved, saved_durable = saved_tp2_with_torch_dist
+    shutil.copytree(saved, base_dir)  # neither holds a path of its own (torch_dist's .metadata names it, unread)
+    shutil.copytree(saved_durable, tmp_path / "durable")
     outputs = run("unsatisfiable_load_is_refused", 1, base=base_dir, durable=tmp_path / "durable", step=1, tp=1,
                   kind=kind)
     for out in outputs:

@@ -17,6 +17,10 @@ What differs from ``python script.py``, and how it is kept from mattering:
   which also gives each rank its own string-hash seed; torch and Megatron read no rank at import.
 - A rank inherits the server's open descriptors and its multiprocessing authkey is replaced.
 - No code of ml_flashpoint_nemo is imported before the fork.
+- The preloaded objects are frozen (gc.freeze, as the gc module's documentation advises for a server that forks):
+  a rank's cyclic collections, and its exit, skip them. Without it each collection walks the whole preloaded heap,
+  writing to every page of it (copy-on-write), and a NeMo rank's normal exit took ~6 s more on 2 cores. What a rank
+  creates is collected as usual; a frozen object is never freed, nor listed by gc.get_objects or gc.get_referrers.
 The launchers a user runs (torchrun, ft_launcher, examples/launch.py on its own, the CLI) are tested with
 real interpreters elsewhere.
 
@@ -28,6 +32,7 @@ A server exits when the test process closes its stdin (or dies); a dead server i
 from __future__ import annotations
 
 import atexit
+import gc
 import importlib
 import json
 import os
@@ -418,6 +423,8 @@ def _main() -> None:
     if threading.active_count() != 1:  # a fork would copy a lock another thread may hold
         sys.exit(f"fork server: importing {preload} started Python threads {threading.enumerate()}; "
                  "forking it is not safe")
+    gc.collect()  # the imports' garbage, not to be frozen with the rest
+    gc.freeze()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
