@@ -39,6 +39,13 @@ JOB = NodeTopology((0, 1), rank=1)  # the server is rank 1 on node 1; rank 0 rep
 SENDER, RECEIVER = 0, 1
 
 
+def _saved_here(base: Path, step: int) -> None:
+    """The receiving node's own save of step has begun (its rank's object is there): pushes of step are due."""
+    own = base / version_relpath(step, object_name(RECEIVER))
+    own.parent.mkdir(parents=True, exist_ok=True)
+    own.write_bytes(b"the receiving rank's own object")
+
+
 def _push_round(port: int, fd: int, offset: int, nbytes: int, crc: int, count: int, step: int) -> tuple[float, float]:
     """Pushes [offset, offset + nbytes) of fd count times as rank 0's objects of step; (wall, CPU) s per push."""
     wall, cpu = time.perf_counter(), time.process_time()
@@ -77,6 +84,7 @@ def main() -> None:
             for step in range(args.rounds):
                 for kind in ("open", "policy") if step % 2 == 0 else ("policy", "open"):  # each goes first alike
                     for workload, (offset, nbytes, crc, count) in workloads.items():
+                        _saved_here(bases[kind], step)
                         wall, cpu = _push_round(servers[kind].port, f.fileno(), offset, nbytes, crc, count, step)
                         results[f"{kind}_{workload}_wall"].append(wall)
                         results[f"{kind}_{workload}_cpu"].append(cpu)
