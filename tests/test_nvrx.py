@@ -26,12 +26,14 @@ RANK_SCRIPT = str(REPO / "tests" / "support" / "nvrx_rank.py")
 SESSION = "job"
 
 
-def job(out: Path, base: Path, phase: str, *flags: str, expect: int = 0) -> list[dict]:
+def job(out: Path, base: Path, phase: str, *flags: str, expect: int = 0, nproc: int = 2) -> list[dict]:
     log_dir = out / f"{phase}-logs"
+    for old in out.glob(f"{phase}-rank-*.json"):  # a job of the same phase before this one
+        old.unlink()
     code = launch_ranks(
         RANK_SCRIPT,
         ["--base", str(base), "--phase", phase, "--out", str(out), *flags],
-        nproc=2,
+        nproc=nproc,
         timeout=120,
         log_dir=log_dir,
         stop_on_failure=expect != 0,
@@ -41,7 +43,7 @@ def job(out: Path, base: Path, phase: str, *flags: str, expect: int = 0) -> list
     assert code == expect, f"{phase} exited with {code}, expected {expect}\n{logs}"
     if expect != 0:
         return []
-    return [json.loads((out / f"{phase}-rank-{rank}.json").read_text()) for rank in range(2)]
+    return [json.loads((out / f"{phase}-rank-{rank}.json").read_text()) for rank in range(nproc)]
 
 
 @pytest.mark.parametrize("mode, algo", [("sync", "atomic"), ("nvrx", "atomic"), ("megatron", "fully_parallel")])
@@ -66,6 +68,21 @@ def test_a_damaged_newest_version_falls_back_to_the_older_one_on_every_rank(tmp_
     results = job(tmp_path, base_dir, "resume")
     assert [r["latest"] for r in results] == [1, 1], results
     assert all(r["checked"] for r in results)
+
+
+def test_a_version_saved_by_another_number_of_ranks_hides_no_older_one(tmp_path, base_dir):
+    """Each rank loads its own state dict, so a version saved by another world size is skipped: on one rank (every
+    object checked on the node) and on two (settled at the saved layout), the older version of the job's size is
+    found and loaded bit for bit, and nothing of the other one is fetched or loaded."""
+    layout = CheckpointLayout(base_dir / SESSION)
+    job(tmp_path, base_dir, "save", "--saves", "1", nproc=1)  # iteration 1 by 1 rank
+    job(tmp_path, base_dir, "save", "--first", "2", "--saves", "1")  # iteration 2 by 2 ranks
+    assert committed_steps(layout) == [1, 2]
+    (alone,) = job(tmp_path, base_dir, "resume-save", "--first", "3", "--saves", "1", nproc=1)
+    assert alone["latest"] == 1 and alone["checked"] and alone["saved"] == [3], alone
+    assert committed_steps(layout) == [2, 3]  # iteration 3 by 1 rank; its save retired 1
+    results = job(tmp_path, base_dir, "resume")
+    assert [r["latest"] for r in results] == [2, 2] and all(r["checked"] for r in results), results
 
 
 def test_a_root_unusable_on_one_node_fails_the_save_on_every_rank_without_a_hang(tmp_path, base_dir):

@@ -41,7 +41,6 @@ from ml_flashpoint_nemo.core.topology import discover_nodes, gathered_on_coordin
 from ml_flashpoint_nemo.core.tuning import default_copy_threads
 from ml_flashpoint_nemo.core.versions import (
     committed_steps,
-    read_commit,
     retire_superseded,
     retire_version,
     write_commit,
@@ -202,25 +201,13 @@ class FlashpointLocalCheckpointManager(BaseCheckpointManager):
         Stronger than NVRx's (a file of every rank exists): the version is committed, every rank's
         object passes its checksums (replicas fetched from peers for what a node lost), and a
         damaged newer version is skipped for an older one. A version saved by another number of
-        ranks is not offered (each rank loads its own state dict).
+        ranks is skipped too (each rank loads its own state dict), so it hides no older one.
         """
         if self.latest_iteration != -1:
             return self.latest_iteration
-        choice = choose_version(self.base_dir, self.replication_config)
-        step = -1 if choice.step is None else choice.step
-        problem = None
-        if step >= 0:
-            try:
-                saved = read_commit(self.layout, step).world_size
-                if saved != _world_size():
-                    problem = f"it was saved by {saved} ranks, the job has {_world_size()}"
-            except Exception as exc:  # noqa: BLE001 - every rank must reach the collective below
-                problem = f"rank {self.rank}: {type(exc).__name__}: {exc}"
-        if problems_of_every_rank(problem):
-            logger.warning("Local checkpoint iteration %d is not used: %s", step, problem or "see the other ranks")
-            step = -1
-        self.latest_iteration = step
-        return step
+        choice = choose_version(self.base_dir, self.replication_config, elastic=False)
+        self.latest_iteration = -1 if choice.step is None else choice.step
+        return self.latest_iteration
 
     def load(self) -> tuple[TensorAwareStateDict, CkptID]:
         """Collective: this rank's state dict of the iteration find_latest chose, and its id."""
@@ -308,8 +295,10 @@ class FlashpointLocalCheckpointManager(BaseCheckpointManager):
                 problem = f"rank {self.rank}: {type(exc).__name__}: {exc}"
             failed = problems_of_every_rank(problem)
             if failed:
-                raise LocalCheckpointingError("the local checkpoint directory is not usable on every rank; nothing "
-                                              "was saved: " + "; ".join(failed))
+                raise LocalCheckpointingError(
+                    "the local checkpoint directory is not usable on every rank; nothing "
+                    "was saved: " + "; ".join(failed)
+                )
             topology = discover_nodes(self.base_dir)
             if topology.node_count > 1:
                 self._nodes = NodeCopies.discover(self.base_dir, None)
