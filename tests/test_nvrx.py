@@ -15,6 +15,7 @@ import pytest
 
 from ml_flashpoint_nemo.core import committed_steps
 from ml_flashpoint_nemo.core.layout import CheckpointLayout, object_name
+from ml_flashpoint_nemo.core.versions import read_commit
 from tests.support.fork_server import MEGATRON_PRELOAD, popen_preloaded
 from tests.support.multiproc import REPO
 
@@ -57,17 +58,38 @@ def test_sigkilled_rank_then_restart_loads_the_newest_committed_version_bit_exac
     assert all(r["checked"] for r in results)
 
 
+DP_RESHARDABLE = json.dumps({"distrib_optim_sharding_type": "dp_reshardable", "chained_optim_avoid_prefix": True})
+FULLY_RESHARDABLE = json.dumps({"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True})
+
+
 def test_a_damaged_newest_version_falls_back_to_the_older_one_on_every_rank(tmp_path, base_dir):
-    job(tmp_path, base_dir, "save", "--mode", "nvrx", "--saves", "2")
+    job(tmp_path, base_dir, "save", "--mode", "nvrx", "--saves", "2", "--content-metadata", DP_RESHARDABLE)
     layout = CheckpointLayout(base_dir / SESSION)
     assert committed_steps(layout) == [1, 2]  # the older one stays until the next save retires it
     obj = layout.object_path(2, object_name(1))
     data = bytearray(obj.read_bytes())
     data[200] ^= 0x10  # inside rank 1's records: only rank 1 can see it
     obj.write_bytes(bytes(data))
-    results = job(tmp_path, base_dir, "resume")
+    results = job(tmp_path, base_dir, "resume", "--content-metadata", DP_RESHARDABLE)  # as saved: offered
     assert [r["latest"] for r in results] == [1, 1], results
     assert all(r["checked"] for r in results)
+
+
+def test_a_version_saved_under_another_optimizer_sharding_is_not_offered_on_any_rank(tmp_path, base_dir):
+    """NeMo builds the state dict to load from its current sharding metadata: a RAM version saved under another
+    (here the distributed optimizer's dp_reshardable, now fully_reshardable) must not be loaded into it."""
+    from ml_flashpoint_nemo.nvrx.manager import CONTENT_METADATA_KEY
+
+    job(tmp_path, base_dir, "save", "--saves", "1", "--content-metadata", DP_RESHARDABLE)
+    layout = CheckpointLayout(base_dir / SESSION)
+    assert read_commit(layout, 1).metadata[CONTENT_METADATA_KEY] == json.loads(DP_RESHARDABLE)
+    results = job(tmp_path, base_dir, "resume", "--content-metadata", FULLY_RESHARDABLE)
+    assert [r["latest"] for r in results] == [-1, -1], results
+    for rank in range(2):
+        log = (tmp_path / "resume-logs" / f"rank-{rank}.log").read_text()
+        assert "Local checkpoint iteration 1 is not used: it was saved with content metadata" in log, log[-3000:]
+        assert '"fully_reshardable"' in log and "Restore the settings it was saved with" in log, log[-3000:]
+    assert committed_steps(layout) == [1]  # nothing lost: the version is kept for a job with its settings
 
 
 def test_a_version_saved_by_another_number_of_ranks_hides_no_older_one(tmp_path, base_dir):

@@ -5,7 +5,8 @@ and Megatron-LM hand it over. Phase "save" saves iterations 1..--saves (seed = i
 NVRx's or Megatron's async queue or synchronously (--first: the first iteration); with --kill-rank,
 that rank then stages one more save and SIGKILLs itself before its finalize (the others wait in
 finalize until the launcher ends them). Phase "resume" finds the newest iteration, loads it and
-checks every value bit for bit; "resume-save" does that, then the saves.
+checks every value bit for bit; "resume-save" does that, then the saves. --content-metadata: the
+manager's content_metadata (JSON), as NeMo's optimizer-sharding metadata.
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ def main() -> None:
     parser.add_argument("--first", type=int, default=1)
     parser.add_argument("--kill-rank", type=int)
     parser.add_argument("--unusable-root-rank", type=int)
+    parser.add_argument("--content-metadata", type=json.loads)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -96,7 +98,10 @@ def main() -> None:
     if dist.get_rank() == args.unusable_root_rank:  # this rank's root is a file: its node cannot save
         base = str(Path(args.out, "a-file"))
         Path(base).write_text("not a directory")
-    manager = FlashpointLocalCheckpointManager(base, session_id="job")
+    content = args.content_metadata
+    manager = FlashpointLocalCheckpointManager(
+        base, session_id="job", content_metadata=None if content is None else (lambda: content)
+    )
     try:
         result = resume_phase(manager, args) if args.phase.startswith("resume") else {}
         if args.phase.endswith("save"):
