@@ -1,19 +1,29 @@
-"""How long a save blocks training behind NVRx's local-checkpoint interface: our manager against NVRx's own.
+"""How long a save blocks training: our NVRx-interface manager against our NeMo path and NVRx's own manager.
 
-Two gloo ranks on this machine save Megatron-core's MCoreTensorAwareStateDict (each rank --mib MiB
-of its own shards) through three managers, one save each in turn (A B C A B C ...) so that a noisy
-machine cannot reorder them:
+Two gloo ranks on this machine save the same Megatron-core sharded state (each rank --mib MiB of
+its own shards) in five configurations, one save each in turn (A B C D E A B C D E ...) so that a
+noisy machine cannot reorder them:
 
 - flashpoint: FlashpointLocalCheckpointManager, each rank its own "node" (base directory), so
-  the version is also replicated to the other rank's node, in the background;
-- nvrx: NVRx's LocalCheckpointManager without replication;
+  the version is also replicated to the other rank's node, in the background; scheduled on
+  NVRx's AsyncCallsQueue, which forks a writer per save (as NVRx's own managers here);
+- flashpoint_persistent: the same manager on our PersistentWorkerQueue (the NeMo path's queue:
+  one save worker, up before the timed saves), which isolates the manager from the queue;
+- nemo_path: our NeMo path's save (what FlashpointCheckpointIO does for wrap_trainer_with_flashpoint):
+  dist_checkpointing.save(async_sharded_save=True) with FlashpointSaveStrategy into the same kind of
+  per-rank base directories, replicated in the background, on a PersistentWorkerQueue; Megatron's
+  sharding-integrity check on the first (warm-up) save only, as the IO does;
+- nvrx: NVRx's LocalCheckpointManager without replication (fork per save);
 - nvrx_clique: NVRx's LocalCheckpointManager with its CliqueReplicationStrategy (factor 2), which
   exchanges every shard between the two ranks inside the save.
 
-"blocks" is what the training loop waits for: save(..., is_async=True) and handing the request to
-NVRx's AsyncCallsQueue. "to commit" adds the queue's blocking finalize (the version is then
-loadable). Our replication is waited for before the next save, so it does not slow the others.
-Prints medians and ranges, and our blocking over each of NVRx's from the same rounds.
+"blocks" is what the training loop waits for: for the managers, MCoreTensorAwareStateDict.from_state_dict
+(NeMo's hierarchical IO and Megatron-LM call it before the manager's save; "convert" alone) plus
+save(..., is_async=True) and the queue's schedule_async_request; for the NeMo path,
+dist_checkpointing.save plus schedule_async_request. "to commit" adds the queue's blocking finalize (the
+version is then loadable). Our replication is waited for before the next save, so it does not slow the
+others. Prints medians and ranges, and each configuration's blocking over the NeMo path's and over
+NVRx's from the same rounds.
 
     .venv/bin/python benchmarks/bench_nvrx.py --mib 512 --rounds 5
 """
@@ -29,10 +39,16 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parents[1]
-MANAGERS = ("flashpoint", "nvrx", "nvrx_clique")
+CONFIGS = ("flashpoint", "flashpoint_persistent", "nemo_path", "nvrx", "nvrx_clique")
+OURS = ("flashpoint", "flashpoint_persistent")
+REFERENCES = ("nemo_path", "nvrx", "nvrx_clique")  # the ratios divide our managers' blocking by these
+PHASES = ("convert", "blocks", "to_commit")
 TENSORS_PER_RANK = 8
+WORKER_BOOT_TIMEOUT_S = 240
+REPLICATION_TIMEOUT_S = 300
 
 
 # --- one rank ------------------------------------------------------------------------------------
@@ -45,12 +61,14 @@ def sharded_state(rank: int, world: int, mib: float, seed: int) -> dict:
 
     elements = max(1, int(mib * 2**20 / 4 / TENSORS_PER_RANK))
     generator = torch.Generator().manual_seed(seed * 1000 + rank)
-    return {f"t{i}": ShardedTensor.from_rank_offsets(f"t{i}", torch.rand(elements, generator=generator), (0, rank, world))
-            for i in range(TENSORS_PER_RANK)}
+    return {
+        f"t{i}": ShardedTensor.from_rank_offsets(f"t{i}", torch.rand(elements, generator=generator), (0, rank, world))
+        for i in range(TENSORS_PER_RANK)
+    }
 
 
 def make_manager(kind: str, root: Path, rank: int):
-    if kind == "flashpoint":
+    if kind in OURS:
         from ml_flashpoint_nemo.nvrx import FlashpointLocalCheckpointManager
 
         return FlashpointLocalCheckpointManager(root / kind / f"node{rank}", session_id="bench")
@@ -64,6 +82,85 @@ def make_manager(kind: str, root: Path, rank: int):
     return LocalCheckpointManager(root / kind, session_id="bench", repl_strategy=strategy)
 
 
+def persistent_queue() -> Any:
+    """Our PersistentWorkerQueue with its worker up, as the NeMo IO starts it at trainer set-up."""
+    from ml_flashpoint_nemo.megatron.async_workers import PersistentWorkerQueue
+
+    queue = PersistentWorkerQueue()
+    queue.start_worker()
+    if not queue.worker_ready(timeout=WORKER_BOOT_TIMEOUT_S):
+        raise RuntimeError(f"the persistent save worker was not up within {WORKER_BOOT_TIMEOUT_S} s")
+    return queue
+
+
+class Config:
+    """One configuration: its blocking save (timed), its queue, and what waits for its replication."""
+
+    def __init__(self, kind: str, root: Path, rank: int, world: int) -> None:
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue
+
+        self.kind, self.rank, self.world = kind, rank, world
+        self.base = root / kind / f"node{rank}"
+        self.strategy: Any = None
+        self.manager: Any = None
+        if kind == "nemo_path":
+            from ml_flashpoint_nemo.megatron import FlashpointSaveStrategy
+
+            self.strategy = FlashpointSaveStrategy()
+        else:
+            self.manager = make_manager(kind, root, rank)
+        self.queue = (
+            persistent_queue() if kind in ("nemo_path", "flashpoint_persistent") else AsyncCallsQueue(persistent=False)
+        )
+
+    def save(self, iteration: int, mib: float) -> tuple[float, float]:
+        """One save's blocking part: (seconds converting to a tensor-aware state dict, seconds in all)."""
+        state = sharded_state(self.rank, self.world, mib, iteration)
+        if self.strategy is not None:
+            return 0.0, self._nemo_path_save(state, iteration)
+        from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
+
+        started = time.perf_counter()
+        tensor_aware, _ = MCoreTensorAwareStateDict.from_state_dict(state, algo="atomic")
+        converted = time.perf_counter()
+        self.queue.schedule_async_request(self.manager.save(tensor_aware, iteration, is_async=True))
+        return converted - started, time.perf_counter() - started
+
+    def _nemo_path_save(self, state: dict, iteration: int) -> float:
+        from megatron.core import dist_checkpointing
+
+        directory = self.base / f"step-{iteration}"
+        directory.mkdir(parents=True, exist_ok=True)  # Megatron checks that it exists
+        started = time.perf_counter()
+        request = dist_checkpointing.save(
+            state,
+            str(directory),
+            sharded_strategy=self.strategy,
+            async_sharded_save=True,
+            validate_access_integrity=iteration == 1,
+        )
+        self.queue.schedule_async_request(request)
+        return time.perf_counter() - started
+
+    def finalize(self) -> None:
+        self.queue.maybe_finalize_async_calls(blocking=True, no_dist=False)
+
+    def wait_for_replication(self, iteration: int) -> None:
+        """Ours replicate in the background: let it finish before the next save."""
+        if self.strategy is not None:
+            replication = self.strategy.replication
+        else:
+            replication = getattr(self.manager, "_replication", None)  # NVRx's managers have none
+        if replication is not None:
+            replication.wait(iteration, timeout=REPLICATION_TIMEOUT_S)
+
+    def close(self) -> None:
+        self.queue.close()
+        close: Callable[[], None] | None = getattr(self.strategy or self.manager, "close", None)
+        if close is not None:
+            close()
+
+
 def rank_main(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(REPO))
     from ml_flashpoint_nemo.testing import cpu_shims
@@ -72,38 +169,25 @@ def rank_main(args: argparse.Namespace) -> None:
     import datetime
 
     import torch.distributed as dist
-    from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
-    from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
     rank, world = dist.get_rank(), dist.get_world_size()
-    root = Path(args.root)
-    managers = {kind: make_manager(kind, root, rank) for kind in MANAGERS}
-    queue = AsyncCallsQueue(persistent=False)
-    times: dict[str, dict[str, list[float]]] = {k: {"blocks": [], "to_commit": []} for k in MANAGERS}
-    for iteration in range(1, args.rounds + 2):  # the first round warms every manager up and is not counted
-        for kind, manager in managers.items():
-            state, _ = MCoreTensorAwareStateDict.from_state_dict(sharded_state(rank, world, args.mib, iteration),
-                                                                 algo="atomic")
+    configs = {kind: Config(kind, Path(args.root), rank, world) for kind in CONFIGS}
+    times: dict[str, dict[str, list[float]]] = {k: {phase: [] for phase in PHASES} for k in CONFIGS}
+    for iteration in range(1, args.rounds + 2):  # the first round warms every configuration up and is not counted
+        for kind, config in configs.items():
             dist.barrier()
             started = time.perf_counter()
-            request = manager.save(state, iteration, is_async=True)
-            queue.schedule_async_request(request)
-            blocked = time.perf_counter() - started
-            queue.maybe_finalize_async_calls(blocking=True, no_dist=False)
+            converted, blocked = config.save(iteration, args.mib)
+            config.finalize()
             committed = time.perf_counter() - started
-            replication = getattr(manager, "_replication", None)
-            if replication is not None:  # ours runs in the background: let it finish before the next save
-                replication.wait(iteration, timeout=300)
+            config.wait_for_replication(iteration)
             dist.barrier()
             if iteration > 1:
-                times[kind]["blocks"].append(blocked)
-                times[kind]["to_commit"].append(committed)
-    queue.close()
-    for manager in managers.values():
-        close = getattr(manager, "close", None)
-        if close is not None:
-            close()
+                for phase, seconds in zip(PHASES, (converted, blocked, committed)):
+                    times[kind][phase].append(seconds)
+    for config in configs.values():
+        config.close()
     Path(args.out, f"rank-{rank}.json").write_text(json.dumps(times))
     dist.barrier()
     dist.destroy_process_group()
@@ -119,8 +203,8 @@ def summary(values: list[float]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=float, default=512, help="MiB of state per rank")
-    parser.add_argument("--rounds", type=int, default=5, help="measured saves per manager (after one warm-up)")
-    parser.add_argument("--root", default="/dev/shm", help="where the managers' directories go (a tmpfs)")
+    parser.add_argument("--rounds", type=int, default=5, help="measured saves per configuration (after one warm-up)")
+    parser.add_argument("--root", default="/dev/shm", help="where the configurations' directories go (a tmpfs)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--timeout", type=float, default=1200)
     parser.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
@@ -137,8 +221,17 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-nvrx-", dir=args.root))
     out = Path(tempfile.mkdtemp(prefix="bench-nvrx-out-"))
     try:
-        argv = ["--rank-main", "--root", str(work), "--out", str(out), "--mib", str(args.mib),
-                "--rounds", str(args.rounds)]
+        argv = [
+            "--rank-main",
+            "--root",
+            str(work),
+            "--out",
+            str(out),
+            "--mib",
+            str(args.mib),
+            "--rounds",
+            str(args.rounds),
+        ]
         code = launch_ranks(__file__, argv, nproc=2, timeout=args.timeout, log_dir=out)
         if code != 0:
             log = (out / "rank-0.log").read_text()[-4000:] if (out / "rank-0.log").exists() else ""
@@ -148,24 +241,38 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(out, ignore_errors=True)
     # The loop waits for the slower rank: per save, the max over ranks.
-    per_save = {kind: {phase: [max(r[kind][phase][i] for r in ranks) for i in range(args.rounds)]
-                       for phase in ("blocks", "to_commit")} for kind in MANAGERS}
-    ratios = {f"flashpoint_over_{kind}": [f / o for f, o in zip(per_save["flashpoint"]["blocks"], per_save[kind]["blocks"])]
-              for kind in ("nvrx", "nvrx_clique")}
+    per_save = {
+        kind: {phase: [max(r[kind][phase][i] for r in ranks) for i in range(args.rounds)] for phase in PHASES}
+        for kind in CONFIGS
+    }
+    ratios = {
+        f"{ours}_over_{reference}": [o / r for o, r in zip(per_save[ours]["blocks"], per_save[reference]["blocks"])]
+        for ours in OURS
+        for reference in REFERENCES
+    }
     command = " ".join([Path(sys.executable).name, *sys.argv])
-    result = {"command": command, "cpu": cpu_model(), "cpus": os.cpu_count(), "mib_per_rank": args.mib,
-              "rounds": args.rounds, "seconds": per_save, "ratios": ratios,
-              "target_flashpoint_over_nvrx_clique": 0.3}
+    result = {
+        "command": command,
+        "cpu": cpu_model(),
+        "cpus": os.cpu_count(),
+        "mib_per_rank": args.mib,
+        "rounds": args.rounds,
+        "seconds": per_save,
+        "ratios": ratios,
+        "targets": {"over_nemo_path": 1.0, "over_nvrx_clique": 0.3},
+    }
     if args.json:
         print(json.dumps(result))
         return
-    print(f"bench_nvrx: {command}\ncpu: {result['cpu']} ({result['cpus']} logical); 2 ranks, {args.mib:g} MiB each, "
-          f"{args.rounds} saves per manager, interleaved; seconds, median (min-max) of the slower rank")
-    print(f"{'manager':12}  {'blocks':24}  {'to commit':24}")
-    for kind in MANAGERS:
-        print(f"{kind:12}  {summary(per_save[kind]['blocks']):24}  {summary(per_save[kind]['to_commit']):24}")
+    print(
+        f"bench_nvrx: {command}\ncpu: {result['cpu']} ({result['cpus']} logical); 2 ranks, {args.mib:g} MiB each, "
+        f"{args.rounds} saves per configuration, interleaved; seconds, median (min-max) of the slower rank"
+    )
+    print(f"{'configuration':22}  {'convert':24}  {'blocks':24}  {'to commit':24}")
+    for kind in CONFIGS:
+        print(f"{kind:22}  " + "  ".join(f"{summary(per_save[kind][phase]):24}" for phase in PHASES))
     for name, values in ratios.items():
-        print(f"{name}: {summary(values)} (same round; target for nvrx_clique: < 0.3)")
+        print(f"{name}: {summary(values)} (same round; targets: over nemo_path <= 1, over nvrx_clique < 0.3)")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ import pytest
 
 from ml_flashpoint_nemo.core import committed_steps
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
+from ml_flashpoint_nemo.core.versions import read_commit
+from ml_flashpoint_nemo.nvrx.manager import CONTENT_METADATA_KEY
 from tests.support.fork_server import NEMO_PRELOAD, nemo_popen, popen_preloaded
 from tests.support.multiproc import REPO
 
@@ -162,4 +164,7 @@ def test_a_global_checkpoint_one_rank_sees_otherwise_fails_the_restart_on_every_
             "checkpoint iteration 4 and the global checkpoint"
         ), errors
         assert message in error, errors
-    assert committed_steps(CheckpointLayout(shm_dir / SESSION_OF_GLOBAL_STEP_CHECK)) == [4]  # the local one intact
+    layout = CheckpointLayout(shm_dir / SESSION_OF_GLOBAL_STEP_CHECK)
+    assert committed_steps(layout) == [4]  # the local one intact
+    # the wiring records NeMo's sharded-state-dict metadata (the optimizer's sharding) with each local version
+    assert read_commit(layout, 4).metadata[CONTENT_METADATA_KEY]["chained_optim_avoid_prefix"] is True

@@ -14,12 +14,13 @@ NVRx's own ``LocalCheckpointManager``.
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import re
 import threading
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,7 @@ from ml_flashpoint_nemo.core.loader import load_version
 from ml_flashpoint_nemo.core.node_copies import NodeCopies
 from ml_flashpoint_nemo.core.saver import CheckpointSaver, StagedObject
 from ml_flashpoint_nemo.core.seal import seal_object
-from ml_flashpoint_nemo.core.topology import discover_nodes, gathered_on_coordinator, problems_of_every_rank
+from ml_flashpoint_nemo.core.topology import any_rank, discover_nodes, gathered_on_coordinator, problems_of_every_rank
 from ml_flashpoint_nemo.core.tuning import default_copy_threads
 from ml_flashpoint_nemo.core.versions import (
     committed_steps,
@@ -56,6 +57,7 @@ logger = logging.getLogger(__name__)
 STRUCTURE_KEY = "nvrx/structure"
 TENSOR_KEY_PATTERN = "nvrx/tensor/{index:08d}"
 SESSION_KEY = "nvrx_session"  # in the commit record's metadata
+CONTENT_METADATA_KEY = "nvrx_content_metadata"  # in the commit record's metadata: the content_metadata() of the save
 _SESSION_ID = re.compile(r"[A-Za-z0-9_.-]*")
 
 
@@ -114,7 +116,10 @@ class FlashpointLocalCheckpointManager(BaseCheckpointManager):
     while the newest is not yet replicated). replication: our peer replication settings (it runs
     in the background after each commit; on one node it is off). NVRx's ``repl_strategy`` is
     refused: its clique replication runs inside the save, which is what this manager avoids.
-    Every method is collective, as NVRx's are: all ranks call it.
+    content_metadata: a function returning what shapes the saved state dict (NeMo's and Megatron's
+    sharded-state-dict metadata: the optimizer's sharding type, ...), JSON-able; each version records
+    it, and find_latest does not offer a version saved under other metadata. Every method is
+    collective, as NVRx's are: all ranks call it.
     """
 
     latest_iteration: int  # set by NVRx's __init__: -1, or the iteration find_latest chose
@@ -129,6 +134,7 @@ class FlashpointLocalCheckpointManager(BaseCheckpointManager):
         replication: ReplicationConfig | None = None,
         checksum: bool = True,
         threads: int | None = None,
+        content_metadata: Callable[[], Mapping[str, Any]] | None = None,
     ) -> None:
         if repl_strategy is not None:
             raise LocalCheckpointingError(
@@ -149,6 +155,7 @@ class FlashpointLocalCheckpointManager(BaseCheckpointManager):
         self.replication_config = replication or ReplicationConfig()
         self.checksum = checksum
         self.threads = threads or default_copy_threads()
+        self.content_metadata = content_metadata
         self._saver: CheckpointSaver | None = None
         self._replication: ReplicationService | None = None
         self._nodes: NodeCopies | None = None  # the version files' copy per node, on several nodes only
@@ -202,23 +209,23 @@ class FlashpointLocalCheckpointManager(BaseCheckpointManager):
         Stronger than NVRx's (a file of every rank exists): the version is committed, every rank's
         object passes its checksums (replicas fetched from peers for what a node lost), and a
         damaged newer version is skipped for an older one. A version saved by another number of
-        ranks is not offered (each rank loads its own state dict).
+        ranks is skipped too (each rank loads its own state dict), so it hides no older one. With
+        content_metadata, the version found must have been saved under the same metadata, else
+        none is offered (-1, logged on every rank with both).
         """
         if self.latest_iteration != -1:
             return self.latest_iteration
-        choice = choose_version(self.base_dir, self.replication_config)
+        choice = choose_version(self.base_dir, self.replication_config, elastic=False)
         step = -1 if choice.step is None else choice.step
-        problem = None
-        if step >= 0:
-            try:
-                saved = read_commit(self.layout, step).world_size
-                if saved != _world_size():
-                    problem = f"it was saved by {saved} ranks, the job has {_world_size()}"
-            except Exception as exc:  # noqa: BLE001 - every rank must reach the collective below
-                problem = f"rank {self.rank}: {type(exc).__name__}: {exc}"
-        if problems_of_every_rank(problem):
-            logger.warning("Local checkpoint iteration %d is not used: %s", step, problem or "see the other ranks")
-            step = -1
+        if step >= 0 and self.content_metadata is not None:
+            problem = self._content_metadata_problem(step)
+            if any_rank(problem is not None):  # 8 B, every rank alike
+                logger.warning(
+                    "Local checkpoint iteration %d is not used: %s",
+                    step,
+                    problem or "its content metadata differs on another rank",
+                )
+                step = -1
         self.latest_iteration = step
         return step
 
@@ -287,6 +294,28 @@ class FlashpointLocalCheckpointManager(BaseCheckpointManager):
 
     # --- helpers ----------------------------------------------------------------------------------
 
+    def current_content_metadata(self) -> dict[str, Any] | None:
+        """content_metadata() as the commit record stores it (through JSON), or None without the function."""
+        if self.content_metadata is None:
+            return None
+        return json.loads(json.dumps(dict(self.content_metadata())))
+
+    def _content_metadata_problem(self, step: int) -> str | None:
+        """Why version `step` was saved under other content metadata than the job's now (None: the same)."""
+        try:
+            saved = read_commit(self.layout, step).metadata.get(CONTENT_METADATA_KEY)
+            now = self.current_content_metadata()
+        except Exception as exc:  # noqa: BLE001 - every rank must reach the all-reduce after this
+            return f"rank {self.rank}: its content metadata cannot be compared: {type(exc).__name__}: {exc}"
+        if saved == now:
+            return None
+        return (
+            f"it was saved with content metadata {json.dumps(saved)[:300]}, the job now has "
+            f"{json.dumps(now)[:300]} (e.g. another optimizer sharding): loading it would build a different "
+            "state dict. Restore the settings it was saved with to resume from it; else the global "
+            "checkpoint (or none) is loaded"
+        )
+
     def _checked_id(self, ckpt_id: CkptID) -> CkptID:
         iteration, rank, session = ckpt_id
         if session != self.session_id:
@@ -308,8 +337,10 @@ class FlashpointLocalCheckpointManager(BaseCheckpointManager):
                 problem = f"rank {self.rank}: {type(exc).__name__}: {exc}"
             failed = problems_of_every_rank(problem)
             if failed:
-                raise LocalCheckpointingError("the local checkpoint directory is not usable on every rank; nothing "
-                                              "was saved: " + "; ".join(failed))
+                raise LocalCheckpointingError(
+                    "the local checkpoint directory is not usable on every rank; nothing "
+                    "was saved: " + "; ".join(failed)
+                )
             topology = discover_nodes(self.base_dir)
             if topology.node_count > 1:
                 self._nodes = NodeCopies.discover(self.base_dir, None)
@@ -368,13 +399,11 @@ class _Finalize:
             try:
                 if records is None:
                     raise LocalCheckpointingError("rank 0 could not receive every rank's object record (see its log)")
-                write_commit(
-                    manager.layout,
-                    iteration,
-                    records,
-                    world_size=_world_size(),
-                    metadata={SESSION_KEY: manager.session_id},
-                )
+                metadata: dict[str, Any] = {SESSION_KEY: manager.session_id}
+                content = manager.current_content_metadata()
+                if content is not None:
+                    metadata[CONTENT_METADATA_KEY] = content
+                write_commit(manager.layout, iteration, records, world_size=_world_size(), metadata=metadata)
             except Exception as exc:  # noqa: BLE001 - reported to every rank below
                 commit_problem = f"rank 0 commit: {type(exc).__name__}: {exc}"
         if not errors:

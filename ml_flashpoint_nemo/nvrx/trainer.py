@@ -127,7 +127,13 @@ def use_flashpoint_local_checkpoints(
                 "not NeMo's AsyncFinalizableCheckpointIO: call this before anything else wraps it"
             )
         checkpoint_io = checkpoint_io.checkpoint_io
-    manager = FlashpointLocalCheckpointManager(root_local_ckpt_dir, session_id, keep=keep, replication=replication)
+    manager = FlashpointLocalCheckpointManager(
+        root_local_ckpt_dir,
+        session_id,
+        keep=keep,
+        replication=replication,
+        content_metadata=lambda: strategy.sharded_state_dict_metadata,  # what NeMo gives its global saves
+    )
     hierarchical = FlashpointHierarchicalCheckpointIO(
         checkpoint_io,
         manager,
@@ -188,7 +194,8 @@ def _agreed_global_iteration(path: Any, step: int, problem: str | None, local_it
 
 def _answer_content_metadata_of_local_versions(strategy: Any, io: FlashpointHierarchicalCheckpointIO) -> None:
     """NeMo's strategy reads the content metadata from the checkpoint path before it loads; a local version
-    directory holds none, so it is answered with the strategy's own (what the local save was given)."""
+    directory holds none, so it is answered with the strategy's own (the manager's find_latest offered that
+    version only if its save recorded the same)."""
     inner = strategy.unwrapped_checkpoint_io
     read = inner.load_content_metadata
 

@@ -51,15 +51,20 @@ class RecoveryChoice:
         return None if self.step is None else str(CheckpointLayout(base_dir).version_dir(self.step))
 
 
-def _local_problem(layout: CheckpointLayout, step: int, topology: NodeTopology) -> str | None:
+def _local_problem(layout: CheckpointLayout, step: int, topology: NodeTopology, elastic: bool = True) -> str | None:
     """Why this rank cannot resume from step (None if it can).
 
     Every object must be on this node: a load may read any rank's object (replicated tensors
     are stored once, and a job restarted with another layout reads other ranks' shards).
+    Without elastic, a version saved by another world size cannot be resumed from.
     """
     rank = topology.rank
     try:
         commit = read_commit(layout, step)
+        if not elastic and commit.world_size != len(topology.node_of_rank):
+            return f"rank {rank}: it was saved by {commit.world_size} ranks; " + _other_world_size(
+                len(topology.node_of_rank)
+            )
         absent = [o.name for o in commit.objects if not layout.object_path(step, o.name).is_file()]
         if absent:
             return f"rank {rank}: {len(absent)} objects are not on this node, e.g. {absent[0]}"
@@ -106,8 +111,13 @@ def _drop_corrupt_objects_on_every_rank(layout: CheckpointLayout, step: int, top
         try:
             verify_object_file(path, record)
         except CorruptCheckpointError as exc:  # only proven damage: an I/O error may hit the only good copy
-            logger.warning("RAM checkpoint step %d: rank %d drops the corrupt object %s to fetch a peer's replica: %s",
-                           step, rank, record.name, exc)
+            logger.warning(
+                "RAM checkpoint step %d: rank %d drops the corrupt object %s to fetch a peer's replica: %s",
+                step,
+                rank,
+                record.name,
+                exc,
+            )
             try:
                 path.unlink(missing_ok=True)
                 dropped.append(record.name)
@@ -130,19 +140,23 @@ def refuse_unless_private_everywhere(layout: CheckpointLayout) -> None:
         raise BaseDirError("no RAM checkpoint is loaded on any rank: " + "; ".join(failed))
 
 
-def choose_version(base_dir: str | os.PathLike[str], config: ReplicationConfig | None = None) -> RecoveryChoice:
+def choose_version(
+    base_dir: str | os.PathLike[str], config: ReplicationConfig | None = None, *, elastic: bool = True
+) -> RecoveryChoice:
     """Collective: the newest step every rank can resume from, checked on every rank.
 
     Candidates saved by as many ranks as the job has are settled by replication.own_objects
     (each rank restores its own objects; fixed-size collectives). Once the newest candidate
     left was saved by another world size, the choice goes on as an elastic restart needs it:
-    every object on every node (_choose_with_every_object_on_every_node).
+    every object on every node (_choose_with_every_object_on_every_node). With elastic=False
+    (a caller that cannot reshard) such candidates are skipped instead, so an older version
+    saved by as many ranks as the job has is still found, and nothing is fetched for them.
     """
     layout = CheckpointLayout(base_dir)
     remote_objects.stop_fetching(base_dir)  # a choice before this one served its loads, which every rank has done
     refuse_unless_private_everywhere(layout)
     if dist.get_world_size() == 1:
-        return _choose_with_every_object_on_every_node(base_dir, fetch=False)
+        return _choose_with_every_object_on_every_node(base_dir, fetch=False, elastic=elastic)
     rank = dist.get_rank()
     try:  # a rank that cannot list its versions offers none; it must still reach the all-reduces
         local = set(committed_steps(layout))
@@ -161,6 +175,10 @@ def choose_version(base_dir: str | os.PathLike[str], config: ReplicationConfig |
                 _log_skipped(skipped, None)
                 return RecoveryChoice(None, skipped)
             verdict = settle(layout, step, topology, session)
+            if verdict.outcome == ELASTIC and not elastic:  # agreed on every rank by settle's all-reduce
+                skipped[step] = [_other_world_size(dist.get_world_size())]
+                below = step
+                continue
             if verdict.outcome == ELASTIC:
                 session.close()
                 return _choose_with_every_object_on_every_node(base_dir, fetch=True, skipped=skipped, below=below)
@@ -177,14 +195,20 @@ def choose_version(base_dir: str | os.PathLike[str], config: ReplicationConfig |
             session.close()
 
 
-def _choose_with_every_object_on_every_node(base_dir: str | os.PathLike[str], *, fetch: bool,
-                                            skipped: dict[int, list[str]] | None = None,
-                                            below: int | None = None) -> RecoveryChoice:
+def _choose_with_every_object_on_every_node(
+    base_dir: str | os.PathLike[str],
+    *,
+    fetch: bool,
+    skipped: dict[int, list[str]] | None = None,
+    below: int | None = None,
+    elastic: bool = True,
+) -> RecoveryChoice:
     """Collective: the choice for an elastic restart (or a single rank), which may read any saved rank's object.
 
     Each node first fetches every object it lacks of the newest version that can be completed
     (replication.recovery); the candidates are then the steps committed on every node, below
     `below` (the newer ones were settled at the saved layout and skipped, for `skipped`' reasons).
+    With elastic=False (a single rank only) a candidate saved by another world size is skipped.
     """
     if fetch:
         fetch_missing_from_peers(base_dir, below=below)
@@ -206,17 +230,27 @@ def _choose_with_every_object_on_every_node(base_dir: str | os.PathLike[str], *,
     topology = discover_nodes(base_dir) if candidates else None
     for step in candidates:
         assert topology is not None  # discovered above whenever there are candidates
-        found = problems_of_every_rank(_local_problem(layout, step, topology))
-        if found and world_size > 1 and topology.node_count > 1 \
-                and _drop_corrupt_objects_on_every_rank(layout, step, topology):  # a peer may hold a good replica
+        found = problems_of_every_rank(_local_problem(layout, step, topology, elastic))
+        if (
+            found
+            and world_size > 1
+            and topology.node_count > 1
+            and _drop_corrupt_objects_on_every_rank(layout, step, topology)
+        ):  # a peer may hold a good replica
             fetch_missing_from_peers(base_dir, only_step=step)  # a peer's replica replaces what was dropped
-            found = problems_of_every_rank(_local_problem(layout, step, topology))
+            found = problems_of_every_rank(_local_problem(layout, step, topology, elastic))
         if not found:
             _log_skipped(skipped, step)
             return RecoveryChoice(step, skipped)
         skipped[step] = found
     _log_skipped(skipped, None)
     return RecoveryChoice(None, skipped)
+
+
+def _other_world_size(world_size: int) -> str:
+    return (
+        f"the job has {world_size} ranks and its loader does not reshard (a version saved by another number of ranks)"
+    )
 
 
 def _log_skipped(skipped: dict[int, list[str]], chosen: int | None) -> None:

@@ -2,9 +2,11 @@
 
 Megatron-core's MCoreTensorAwareStateDict is what goes in and comes out, as NeMo's hierarchical IO
 and Megatron-LM hand it over. Phase "save" saves iterations 1..--saves (seed = iteration), through
-NVRx's or Megatron's async queue or synchronously; with --kill-rank, that rank then stages one more
-save and SIGKILLs itself before its finalize (the others wait in finalize until the launcher ends
-them). Phase "resume" finds the newest iteration, loads it and checks every value bit for bit.
+NVRx's or Megatron's async queue or synchronously (--first: the first iteration); with --kill-rank,
+that rank then stages one more save and SIGKILLs itself before its finalize (the others wait in
+finalize until the launcher ends them). Phase "resume" finds the newest iteration, loads it and
+checks every value bit for bit; "resume-save" does that, then the saves. --content-metadata: the
+manager's content_metadata (JSON), as NeMo's optimizer-sharding metadata.
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ def async_queue(mode: str):
 
 def save_phase(manager: FlashpointLocalCheckpointManager, args: argparse.Namespace) -> dict:
     queue = async_queue(args.mode)
-    for iteration in range(1, args.saves + 1):
+    last = args.first + args.saves - 1
+    for iteration in range(args.first, last + 1):
         request = manager.save(tensor_aware(iteration, args.algo), iteration, is_async=queue is not None)
         if queue is not None:
             assert type(request).__module__.startswith("nvidia_resiliency_ext"), type(request)
@@ -58,11 +61,11 @@ def save_phase(manager: FlashpointLocalCheckpointManager, args: argparse.Namespa
         else:
             assert request is None
     if args.kill_rank is not None:
-        manager.save(tensor_aware(args.saves + 1, args.algo), args.saves + 1, is_async=True)  # staged only
+        manager.save(tensor_aware(last + 1, args.algo), last + 1, is_async=True)  # staged only
         if dist.get_rank() == args.kill_rank:
             os.kill(os.getpid(), signal.SIGKILL)
         dist.barrier()  # the others wait here until the launcher ends them
-    return {"saved": args.saves}
+    return {"saved": list(range(args.first, last + 1))}
 
 
 def resume_phase(manager: FlashpointLocalCheckpointManager, args: argparse.Namespace) -> dict:
@@ -80,12 +83,14 @@ def resume_phase(manager: FlashpointLocalCheckpointManager, args: argparse.Names
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--base", required=True)
-    parser.add_argument("--phase", choices=["save", "resume"], required=True)
+    parser.add_argument("--phase", choices=["save", "resume", "resume-save"], required=True)
     parser.add_argument("--mode", choices=["sync", "nvrx", "megatron"], default="sync")
     parser.add_argument("--algo", choices=["atomic", "fully_parallel"], default="atomic")
     parser.add_argument("--saves", type=int, default=3)
+    parser.add_argument("--first", type=int, default=1)
     parser.add_argument("--kill-rank", type=int)
     parser.add_argument("--unusable-root-rank", type=int)
+    parser.add_argument("--content-metadata", type=json.loads)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -93,9 +98,14 @@ def main() -> None:
     if dist.get_rank() == args.unusable_root_rank:  # this rank's root is a file: its node cannot save
         base = str(Path(args.out, "a-file"))
         Path(base).write_text("not a directory")
-    manager = FlashpointLocalCheckpointManager(base, session_id="job")
+    content = args.content_metadata
+    manager = FlashpointLocalCheckpointManager(
+        base, session_id="job", content_metadata=None if content is None else (lambda: content)
+    )
     try:
-        result = save_phase(manager, args) if args.phase == "save" else resume_phase(manager, args)
+        result = resume_phase(manager, args) if args.phase.startswith("resume") else {}
+        if args.phase.endswith("save"):
+            result.update(save_phase(manager, args))
     except LocalCheckpointingError as exc:
         result = {"error": str(exc)}
     Path(args.out, f"{args.phase}-rank-{dist.get_rank()}.json").write_text(json.dumps(result))
