@@ -16,14 +16,14 @@ restarts them; the restarted job resumes on its own (AutoResume; flashpoint pick
 RAM and durable) and trains --restart-steps more. Per configuration it reports:
 
 - median (and mean) step time and the overhead of the median vs a, in %;
-- per save kind (ram, durable): blocking time per save (the time trainer.save_checkpoint held
-  the training loop; median of the saves after the first, the first reported on its own: it also
+- per save kind (ram, durable): blocking time per save (the time the save held the training
+  loop: trainer.save_checkpoint for durable saves, the flashpoint callback's save for RAM ones; median of the saves after the first, the first reported on its own: it also
   creates its pool buffer and faults its tmpfs pages in), the staging copy reference (one torch
   copy_ of this rank's share of the checkpoint into already-allocated host tensors, measured in
   the same process), the fixed cost (blocking - staging copy) and where the blocking time goes
   (timing spans around the calls of the save path: Lightning's dump_checkpoint, Megatron's
-  sharded state dicts, the checkpoint IO, dist_checkpointing.save, the async schedule, the
-  barrier). Saves run with the CPU shims' torch function mode paused (--shim-in-saves keeps it).
+  sharded state dicts, the checkpoint IO, dist_checkpointing.save, the async schedule, Lightning's
+  barrier, which RAM saves skip). Saves run with the CPU shims' torch function mode paused (--shim-in-saves keeps it).
   Also the job's stall per save: from the last rank's entry into the save to the last rank's exit
   (every rank's wall-clock stamps), which leaves out a rank's wait for a slower one inside the
   save's collectives (it would wait as long at the next step's first collective without the save);
@@ -249,8 +249,18 @@ def run_rank(args: argparse.Namespace) -> None:
         if resume is None:
             resume = FlashpointAutoResume(resume_if_exists=True, resume_ignore_no_checkpoint=True)
 
-    # Timing spans through the save path (the benchmark's own instrumentation, not the library's).
-    original_save = trainer.save_checkpoint
+    # Timing spans through the save path (the benchmark's own instrumentation, not the library's). Durable saves
+    # go through trainer.save_checkpoint, RAM saves through the callback's save_without_barrier.
+    from ml_flashpoint_nemo.nemo import callback as flashpoint_callback
+
+    trainer_save = trainer.save_checkpoint
+    callback_save = flashpoint_callback.save_without_barrier
+
+    def original_save(filepath: Any, weights_only: bool, storage_options: Any = None) -> None:
+        if spans.kind == "ram":
+            callback_save(trainer, filepath, storage_options)
+        else:
+            trainer_save(filepath, weights_only, storage_options=storage_options)
 
     def save_checkpoint(filepath: Any, weights_only: bool = False, storage_options: Any = None) -> None:
         spans.kind = "ram" if storage_options and storage_options.get(flashpoint_io.FLASHPOINT_SAVE) else "durable"
@@ -278,6 +288,8 @@ def run_rank(args: argparse.Namespace) -> None:
             spans.kind = "step"
 
     trainer.save_checkpoint = save_checkpoint
+    flashpoint_callback.save_without_barrier = lambda _trainer, filepath, options: save_checkpoint(
+        filepath, storage_options=options)
     connector = trainer._checkpoint_connector
     spans.wrap(connector, "dump_checkpoint", "dump_checkpoint")
     spans.wrap(trainer.strategy, "optimizer_sharded_state_dict", "optimizer_sharded_state_dict")

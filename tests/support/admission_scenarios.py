@@ -42,6 +42,7 @@ def allow_list_of_the_job(p: dict[str, Any]) -> None:
         mine, theirs = version_relpath(1, object_name(rank)), version_relpath(1, object_name(1 - rank))
         (base / mine).parent.mkdir(parents=True, exist_ok=True)
         (base / mine).write_bytes(b"from rank %d" % rank)
+        dist.barrier()  # every node holds its own object of step 1 before any push of it, as after a commit
         _core.transfer_push(peer_host, peer_port, endpoints.secret, base, mine, retries=0, rank=rank,
                             peer_rank=1 - rank)
         dist.barrier()
