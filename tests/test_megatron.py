@@ -152,6 +152,10 @@ def test_cached_plan_is_dropped_when_one_rank_changes_structure(base_dir):
     assert all("SAVE 4 FAILED: FlashpointError" in out and "staging failed" in out for out in outputs), outputs
 
 
+def test_a_plan_whose_recipes_keep_failing_stops_learning_them(base_dir):
+    run("recipes_that_keep_failing_are_not_relearnt", 2, base=base_dir)
+
+
 @pytest.mark.parametrize("mode", ["temporal", "persistent"])
 def test_overlapping_async_saves_each_find_their_own_worker_report(base_dir, mode):
     run("overlapping_saves_each_get_their_report", 2, base=base_dir, mode=mode)

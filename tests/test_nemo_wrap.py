@@ -95,3 +95,26 @@ def test_checkpoint_io_routes_by_marker_and_real_containment(checks):
     # outside the base dir and an unmarked (durable) save inside it are both refused
     assert checks["ROUTING"] == ("ram_removed True durable_removed True marked_outside BaseDirError "
                                  "unmarked_inside BaseDirError"), checks
+
+
+def test_a_ram_save_skips_lightnings_barrier_unless_the_trainer_class_overrides_save_checkpoint(tmp_path):
+    """save_without_barrier runs Lightning's dump_checkpoint and the strategy's save_checkpoint itself (no barrier),
+    but a Trainer subclass that overrides save_checkpoint keeps its own."""
+    from lightning.pytorch import LightningModule, Trainer
+
+    from ml_flashpoint_nemo.nemo.callback import save_without_barrier
+
+    saved: list[tuple[str, object]] = []
+
+    class Recording(Trainer):
+        def save_checkpoint(self, filepath, weights_only=False, storage_options=None):  # type: ignore[override]
+            saved.append(("override", storage_options))
+
+    for cls in (Trainer, Recording):
+        trainer = cls(logger=False, enable_checkpointing=False, enable_progress_bar=False, accelerator="cpu")
+        trainer.strategy.connect(LightningModule())
+        trainer.strategy.barrier = lambda *args, **kwargs: saved.append(("barrier", None))  # must not be reached
+        trainer.strategy.save_checkpoint = lambda checkpoint, path, storage_options=None: saved.append(
+            ("strategy", storage_options))
+        save_without_barrier(trainer, tmp_path / "ckpt", {"marker": True})
+    assert saved == [("strategy", {"marker": True}), ("override", {"marker": True})], saved

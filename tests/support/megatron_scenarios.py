@@ -169,9 +169,10 @@ def plan_reused_only_while_structure_is_unchanged(p: dict[str, Any]) -> None:
     Under the reused plan a save replays the write recipe learnt on the last save that went the
     long way (Megatron's conversion and DCP's planner), unless a value no longer fits it: at save 3
     rank 1's weight is a non-contiguous tensor, so rank 1 alone goes the long way (and learns no
-    recipe from it: a replay could not give that view). At save 4 rank 1, still without a recipe,
-    goes the long way with an object torch cannot save: that save fails on every rank (no rank
-    raises alone), and save 5 relearns. Every committed version loads exactly.
+    recipe from it: a replay could not give that view). At save 4 both ranks hold an object torch
+    cannot save, rank 0 in its replay, rank 1 on the long way (still without a recipe): that save
+    fails on every rank (no rank raises alone), rank 0 keeps its recipe and rank 1 relearns at save
+    5. Every committed version loads exactly.
     """
     strategy = save_strategy(p)
     recipe_saves = []
@@ -181,7 +182,7 @@ def plan_reused_only_while_structure_is_unchanged(p: dict[str, Any]) -> None:
             weight = state["layer.weight"]
             weight.data = weight.data.t().contiguous().t()  # the same values, column-major
             assert not weight.data.is_contiguous()
-        if step == 4 and dist.get_rank() == 1:
+        if step == 4:  # rank 0 replays its recipe, rank 1 goes the long way: both must fail alike
             state["rng"].data = {"seed": lambda: step}  # torch.save cannot pickle a lambda
         if step == 6 and dist.get_rank() == 1:
             state["extra"] = ShardedTensor.from_rank_offsets("extra", torch.full((5,), 7.0), replica_id=0)
@@ -194,13 +195,34 @@ def plan_reused_only_while_structure_is_unchanged(p: dict[str, Any]) -> None:
         recipe_saves.append(strategy.recipe_saves)
         if step not in (4, 6):
             check_loaded(load(p, step), step)
-    expected = [0, 1, 2, 3, 4, 4] if dist.get_rank() == 0 else [0, 1, 1, 1, 1, 1]
+    expected = [0, 1, 2, 2, 3, 3] if dist.get_rank() == 0 else [0, 1, 1, 1, 1, 1]
     assert recipe_saves == expected, (dist.get_rank(), recipe_saves)
     template = sharded_state(6, zeros=True)
     template["extra"] = ShardedTensor.from_rank_offsets("extra", torch.zeros(5), replica_id=dist.get_rank())
     loaded = dist_checkpointing.load(template, os.path.join(p["base"], "step-6"), sharded_strategy=load_strategy(p))
     check_loaded(loaded, 6)
     assert torch.equal(loaded["extra"], torch.full((5,), 7.0)), loaded["extra"]
+
+
+def recipes_that_keep_failing_are_not_relearnt(p: dict[str, Any]) -> None:
+    """A value on Megatron's prepend-axis path is non-contiguous at every save: its conversion copies it, so each
+    recipe is learnt from that copy and fails at the next save's replay. After two such recipes the plan stops
+    learning (each would cost a replay and a comparison for nothing); every version still loads exactly."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    strategy = save_strategy(p)
+    seen = []
+    for step in (1, 2, 3, 4):
+        data = (torch.arange(8.0).view(4, 2) * step).t()  # (2, 4), column-major
+        state = {"stack": ShardedTensor.from_rank_offsets("stack", data, (0, rank, world), prepend_axis_num=1)}
+        dist_checkpointing.save(state, version_dir(p["base"], step), sharded_strategy=strategy)
+        seen.append((strategy._recipe is not None, strategy._recipes_dropped, strategy.recipe_saves))
+        template = {"stack": ShardedTensor.from_rank_offsets("stack", torch.zeros(2, 4), (0, rank, world),
+                                                             prepend_axis_num=1)}
+        loaded = dist_checkpointing.load(template, os.path.join(p["base"], f"step-{step}"),
+                                         sharded_strategy=load_strategy(p))
+        assert torch.equal(loaded["stack"], data), (step, loaded["stack"], data)
+    # learnt at 1, dropped and relearnt at 2, dropped at 3 and not learnt again
+    assert seen == [(True, 0, 0), (True, 1, 0), (False, 2, 0), (False, 2, 0)], seen
 
 
 def second_save_reuses_a_buffer_warmed_after_the_first(p: dict[str, Any]) -> None:
@@ -807,7 +829,7 @@ def only_common_state_round_trips_as_with_torch_dist(p: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    scenario_main({f.__name__: f for f in (roundtrip, save_then_corrupt_is_refused, interrupted_config_rewrite_is_repaired,
+    scenario_main({f.__name__: f for f in (roundtrip, recipes_that_keep_failing_are_not_relearnt, save_then_corrupt_is_refused, interrupted_config_rewrite_is_repaired,
                                            failed_background_write_fails_every_rank,
                                            second_save_reuses_a_buffer_warmed_after_the_first,
                                            manager_failure_fails_first_save_everywhere,
