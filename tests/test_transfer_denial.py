@@ -238,19 +238,19 @@ def test_a_handshake_flood_from_one_address_does_not_starve_another(dirs):
 
 def test_replication_config_sets_the_servers_admission_limits(dirs):
     """ReplicationConfig's request_timeout_s and max_queued_per_rank reach the server that
-    peer_endpoints builds from it: an idle authenticated connection is closed at 0.3 s (the server's
-    default is 2 s), and a rank's second waiting request is refused (the default lets it wait)."""
+    peer_endpoints builds from it: an idle authenticated connection is closed under the 0.3 s budget
+    (the server's default is 2 s), and a rank's second waiting request is refused (the default lets it wait)."""
     base, _ = dirs
     config = ReplicationConfig(max_connections=2, request_timeout_s=0.3, max_queued_per_rank=1)
     with _core.TransferServer(base, SECRET, **config.server_kwargs()) as srv:
         idle = peer.client_handshake(connect_from(MEMBER, srv.port), SECRET, rank=1)
-        t0 = time.monotonic()
         wait_for(srv, "the idle connection's request timeout", lambda s: s["request_timeouts"] == 1)
-        assert time.monotonic() - t0 < 1.5
+        assert any("request_timeout_s = 0.3 s" in e for e in srv.errors()), srv.errors()  # the config's, not 2 s
         idle.close()
         sessions = stalled_pushes(srv.port, 3)  # one served, one waiting, one over the rank's limit
         try:
-            wait_for(srv, "the third request refused", lambda s: s["rejected_rank_cap"] == 1)
+            # at least the third (the default cap lets all three wait): which of them is served first is a race
+            wait_for(srv, "a request over the rank's limit refused", lambda s: s["rejected_rank_cap"] >= 1)
         finally:
             for s in sessions:
                 s.close()
