@@ -7,7 +7,9 @@
 # Prints the line and branch figures and each module's; with FLASHPOINT_COVERAGE_GATE=1 it fails
 # below 92% of lines or 85% of branches (meaningful for the whole suite only).
 # A process killed by SIGKILL (the crash tests do that on purpose) leaves no data: what it ran is
-# counted as not covered.
+# counted as not covered. Tests marked `unmeasured` (the benchmark smokes, the examples, the wheel, the
+# quickstart and a few other NeMo end-to-end runs) run their processes untraced: tracing doubles a NeMo
+# process's CPU time, and what they run other tests measure (tests/conftest.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=.venv/bin/python

@@ -1,5 +1,6 @@
 """Shared fixtures: every test gets its own base directory on /dev/shm, removed afterwards; the NeMo
-end-to-end tests share one reference run per session."""
+end-to-end tests share one reference run per session; the processes of a test or module marked
+``unmeasured`` run without coverage (scripts/coverage.sh)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,33 @@ from typing import Iterator
 
 import pytest
 
+from tests.support.fork_server import COVERAGE_VARIABLES
 from tests.support.tmpfs import mounted_tmpfs
 
 SHM = Path("/dev/shm")
+
+
+def _unmeasured(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Without coverage's variables, the processes started meanwhile (and ranks forked by the fork servers) are
+    not measured: a traced NeMo process takes about twice the CPU, and these tests run paths measured elsewhere."""
+    if request.node.get_closest_marker("unmeasured") is None:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        for name in COVERAGE_VARIABLES:
+            patch.delenv(name, raising=False)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _unmeasured_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield from _unmeasured(request)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _unmeasured_module(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Also for the module's own fixtures (set up before a test's function-scoped ones)."""
+    yield from _unmeasured(request)
 
 
 @pytest.fixture

@@ -13,6 +13,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.unmeasured  # its processes repeat paths measured by other tests (conftest)
 REPO = Path(__file__).resolve().parents[1]
 RECOVERY_PARTS = ("start_imports_s", "setup_s", "restore_s", "first_step_s")
 

@@ -14,7 +14,9 @@ import sys
 from pathlib import Path
 
 import psutil  # type: ignore[import-untyped]
+import pytest
 
+pytestmark = pytest.mark.unmeasured  # its processes repeat paths measured by other tests (conftest)
 REPO = Path(__file__).resolve().parents[1]
 RANKS = (2, 4)
 SAVES = 2

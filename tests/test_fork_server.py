@@ -178,3 +178,24 @@ def test_a_server_is_replaced_when_this_process_environment_changed_but_a_reques
     with pytest.raises(ForkServerError, match="KMP_FORK_DRIFT"):
         fork_server.popen_preloaded(preload, [sys.executable, script, "report"],
                                     env=dict(os.environ, KMP_FORK_DRIFT="TRUE"))
+
+
+def test_a_rank_is_measured_exactly_when_its_environment_asks_for_coverage(tmp_path):
+    """conftest's unmeasured tests drop coverage's variables: their ranks must then run untraced although their
+    server is measured, and a measured rank must be traced although its server was started unmeasured."""
+    import coverage
+
+    config = coverage.Coverage(data_file=str(tmp_path / "data"), config_file=False).config.serialize()
+    probe = tmp_path / "probe.py"
+    probe.write_text("import sys\ncov = sys.modules.get('coverage')\n"
+                     "print(cov is not None and cov.Coverage.current() is not None)\n")
+    plain = {name: value for name, value in os.environ.items() if name not in fork_server.COVERAGE_VARIABLES}
+    measured = dict(plain, COVERAGE_PROCESS_CONFIG=config)
+    for server_env in (measured, plain):
+        server = ForkServer(preload=("json",), env=server_env)
+        try:
+            for env, expected in ((measured, "True"), (plain, "False")):
+                code, out, err = run(server, [str(probe)], env=env)
+                assert (code, out.strip()) == (0, expected), (server_env is measured, err)
+        finally:
+            server.close()

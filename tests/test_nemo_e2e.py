@@ -42,6 +42,7 @@ def train(out: Path, phase: str, base: Path, *flags: str, expect: int = 0, steps
     return {"log": log, **(json.loads(result.read_text()) if result.exists() else {})}
 
 
+@pytest.mark.unmeasured  # six fresh NeMo interpreters; what they run, the tests below measure
 def test_quickstart_recovers_from_ram_bit_exact(tmp_path):
     done = subprocess.run([sys.executable, "examples/quickstart.py", "--out", str(tmp_path)], cwd=REPO,
                           capture_output=True, text=True, timeout=900)
@@ -65,6 +66,7 @@ def test_quickstart_recovers_from_ram_bit_exact(tmp_path):
         ("async durable unfinished", 2, 5, ("ram", ["step-2", "step-4"])),
     ],
 )
+@pytest.mark.unmeasured  # two NeMo runs each, of paths the other tests measure (conftest)
 def test_durable_checkpoint_is_the_fallback_and_the_newer_one_wins(nemo_reference, tmp_path, shm_dir, case, ram_every,
                                                                    kill_at, expected):
     link_reference(nemo_reference, tmp_path)

@@ -62,6 +62,8 @@ from quickstart import compare  # noqa: E402
 
 from tests.support.nemo_reference import REFERENCE_STEPS, link_reference  # noqa: E402
 
+pytestmark = pytest.mark.unmeasured  # its processes repeat paths measured by other tests (conftest)
+
 BIN = Path(sys.executable).parent
 STEPS, EVERY, KILL_AT, KILL_RANK = REFERENCE_STEPS, 2, 5, 1
 TRAIN_FLAGS = ["--steps", str(STEPS), "--every", str(EVERY), "--async-save"]

@@ -9,6 +9,10 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.unmeasured  # pip and the wheel's own interpreter: nothing of the source tree to measure
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # Runs in a fresh virtual environment that has only the wheel (no torch, no source tree).

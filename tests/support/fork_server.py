@@ -16,7 +16,8 @@ What differs from ``python script.py``, and how it is kept from mattering:
   (its logger's rank 0), so NeMo ranks get a server per rank (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE),
   which also gives each rank its own string-hash seed; torch and Megatron read no rank at import.
 - A rank inherits the server's open descriptors and its multiprocessing authkey is replaced.
-- No code of ml_flashpoint_nemo is imported before the fork.
+- No code of ml_flashpoint_nemo is imported before the fork, so the preload runs untraced under coverage; a rank
+  is traced exactly when its environment asks coverage to start, as a fresh interpreter would be.
 - The preloaded objects are frozen (gc.freeze, as the gc module's documentation advises for a server that forks):
   a rank's cyclic collections, and its exit, skip them. Without it each collection walks the whole preloaded heap,
   writing to every page of it (copy-on-write), and a NeMo rank's normal exit took ~6 s more on 2 cores. What a rank
@@ -60,6 +61,7 @@ _IMPORT_TIME_PREFIXES = ("TORCH_", "NEMO_", "PYTHON", "CUDA_", "NCCL_", "OMP_", 
                          "OPENBLAS_", "MALLOC_")
 _APPLIED_AFTER_FORK = {"OMP_NUM_THREADS", "PYTHONPATH"}
 _HEADER = 8  # bytes of the request's length, before its JSON
+COVERAGE_VARIABLES = ("COVERAGE_PROCESS_CONFIG", "COVERAGE_PROCESS_START")  # what starts coverage in a new process
 
 
 class ForkServerError(RuntimeError):
@@ -397,6 +399,7 @@ def _become_rank(request: dict[str, Any], fds: list[int], conn: socket.socket) -
     server_pythonpath = os.environ.get("PYTHONPATH", "")
     os.environ.clear()
     os.environ.update(request["env"])
+    _measure_as_requested()
     import multiprocessing
 
     multiprocessing.current_process().authkey = os.urandom(32)  # as a fresh interpreter draws its own
@@ -414,11 +417,36 @@ def _become_rank(request: dict[str, Any], fds: list[int], conn: socket.socket) -
         sys.path[1:1] = [os.path.abspath(entry) for entry in pythonpath.split(os.pathsep) if entry]
 
 
+def _running_coverage() -> Any:
+    """The coverage measurement running in this process (scripts/coverage.sh), or None."""
+    if "coverage" not in sys.modules:
+        return None
+    return sys.modules["coverage"].Coverage.current()
+
+
+def _measure_as_requested() -> None:
+    """Measure a rank's coverage exactly when a fresh interpreter with its environment would: coverage's
+    subprocess patch asks for it through COVERAGE_PROCESS_CONFIG, which an unmeasured test removes (conftest)."""
+    wanted = any(os.environ.get(name) for name in COVERAGE_VARIABLES)
+    measuring = _running_coverage()
+    if measuring is not None and not wanted:
+        measuring.stop()
+    elif measuring is None and wanted:
+        import coverage
+
+        coverage.process_startup(force=True)
+
+
 def _main() -> None:
     path, preload = sys.argv[1], sys.argv[2:]
     before = dict(os.environ)
+    measuring = _running_coverage()
+    if measuring is not None:  # the preload runs no code of ours; traced, it takes ~50% more CPU
+        measuring.stop()
     for name in preload:
         importlib.import_module(name)
+    if measuring is not None:
+        measuring.start()
     set_by_imports = {name: value for name, value in os.environ.items() if before.get(name) != value}
     if threading.active_count() != 1:  # a fork would copy a lock another thread may hold
         sys.exit(f"fork server: importing {preload} started Python threads {threading.enumerate()}; "

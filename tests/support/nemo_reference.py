@@ -8,10 +8,11 @@ once per test module: each run is two NeMo processes, forked from tests/support/
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
-from tests.support.fork_server import nemo_popen
+from tests.support.fork_server import COVERAGE_VARIABLES, nemo_popen
 from tests.support.multiproc import REPO
 
 sys.path.insert(0, str(REPO / "examples"))
@@ -23,10 +24,12 @@ TRAIN_SCRIPT = str(REPO / "tests" / "support" / "nemo_train.py")
 
 
 def train_reference(out: Path, timeout: float = 400) -> Path:
-    """Run the reference into out/reference (where quickstart.compare looks) and return out."""
+    """Run the reference into out/reference (where quickstart.compare looks) and return out. It runs no code of
+    ours, so it runs without coverage (see conftest's unmeasured)."""
+    env = {name: value for name, value in os.environ.items() if name not in COVERAGE_VARIABLES}
     code = launch_ranks(TRAIN_SCRIPT, ["--steps", str(REFERENCE_STEPS), "--out", str(out / "reference"),
                                        "--base", str(out / "unused-base"), "--route", "none"],
-                        timeout=timeout, log_dir=out / "reference", popen=nemo_popen)
+                        timeout=timeout, env=env, log_dir=out / "reference", popen=nemo_popen)
     assert code == 0, (out / "reference" / "rank-0.log").read_text()[-4000:]
     return out
 
