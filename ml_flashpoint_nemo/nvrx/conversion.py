@@ -89,7 +89,8 @@ class TensorAwareConversion:
         changed, failed = reduced_ints([int(sharding != self._checked), int(problem is not None)])
         if failed:
             raise InvalidShardingError(
-                "the state dict to save cannot be converted for a local checkpoint: "
+                "the state dict to save cannot be converted for a local checkpoint; nothing was saved. Fix what "
+                "the ranks named report in the model's or optimizer's sharded_state_dict: "
                 + "; ".join(problems_of_every_rank(problem))
             )
         assert converted is not None and sharding is not None

@@ -5,7 +5,8 @@ tests/test_nvrx_conversion.py. Each save converts megatron_scenarios' sharded st
 (FlashpointHierarchicalCheckpointIO.save_checkpoint with NVRx's local options, what NeMo's
 LocalCheckpointCallback calls), then saves it through FlashpointLocalCheckpointManager. The
 sharding, save by save (PLAN): unchanged; one more ShardedObject on rank 1 only; rank 1's weight
-shard claiming rank 0's rows (Megatron's check fails on rank 0); the original again. Written per
+shard claiming rank 0's rows (Megatron's check fails on rank 0); the original again; a factory that
+raises on rank 1 (the conversion fails there before any collective). Written per
 save: the all_gather_object and broadcast_object_list calls while converting (Megatron's check
 makes both), the conversion's check count, and the error if the save failed. Then the newest
 version is loaded back and checked bit for bit. First, sharding_of is checked on small state dicts:
@@ -28,13 +29,14 @@ from ml_flashpoint_nemo.testing import cpu_shims  # noqa: E402
 cpu_shims.install_for_checkpointing()
 
 import torch.distributed as dist  # noqa: E402
-from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor  # noqa: E402
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory  # noqa: E402
 
 from ml_flashpoint_nemo.nvrx import FlashpointLocalCheckpointManager, InvalidShardingError  # noqa: E402
 from ml_flashpoint_nemo.nvrx.conversion import TensorAwareConversion, sharding_of  # noqa: E402
 from tests.support.megatron_scenarios import check_loaded, sharded_state  # noqa: E402
 
-PLAN = ("same", "same", "same", "extra_on_rank_1", "extra_on_rank_1", "broken_on_rank_1", "same", "same")
+PLAN = ("same", "same", "same", "extra_on_rank_1", "extra_on_rank_1", "broken_on_rank_1", "same", "same",
+        "unconvertible_on_rank_1")
 COUNTED = ("all_gather_object", "broadcast_object_list")
 calls = {name: 0 for name in COUNTED}
 
@@ -59,7 +61,13 @@ def state_of(kind: str, seed: int) -> dict[str, Any]:
     if kind == "broken_on_rank_1" and rank == 1:
         weight = state["layer.weight"]
         state["layer.weight"] = ShardedTensor.from_rank_offsets("layer.weight", weight.data, (0, 0, world))
+    if kind == "unconvertible_on_rank_1" and rank == 1:
+        state["factory"] = ShardedTensorFactory("factory", state["layer.bias"].data, _fails, _fails)
     return state
+
+
+def _fails(*args: Any) -> Any:
+    raise ValueError("this factory fails on purpose")
 
 
 def check_sharding_of() -> bool:
