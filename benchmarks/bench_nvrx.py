@@ -17,13 +17,20 @@ noisy machine cannot reorder them:
 - nvrx_clique: NVRx's LocalCheckpointManager with its CliqueReplicationStrategy (factor 2), which
   exchanges every shard between the two ranks inside the save.
 
-"blocks" is what the training loop waits for: for the managers, MCoreTensorAwareStateDict.from_state_dict
-(NeMo's hierarchical IO and Megatron-LM call it before the manager's save; "convert" alone) plus
-save(..., is_async=True) and the queue's schedule_async_request; for the NeMo path,
-dist_checkpointing.save plus schedule_async_request. "to commit" adds the queue's blocking finalize (the
-version is then loadable). Our replication is waited for before the next save, so it does not slow the
-others. Prints medians and ranges, and each configuration's blocking over the NeMo path's and over
-NVRx's from the same rounds.
+"blocks" is what the training loop waits for: for the managers, the conversion to a tensor-aware
+state dict ("convert" alone) plus save(..., is_async=True) and the queue's schedule_async_request; for
+the NeMo path, dist_checkpointing.save plus schedule_async_request. The conversion is what each
+manager's NeMo wiring calls before the save: for ours, FlashpointHierarchicalCheckpointIO's
+TensorAwareConversion (Megatron's sharding check on the first save and after a sharding change, one
+16-byte all-reduce on a steady save); for NVRx's, NeMo's MCoreHierarchicalCheckpointIO's
+MCoreTensorAwareStateDict.from_state_dict without cached metadata (the check on every save). --algo
+is the conversion's algorithm for all of them (NeMo's default is fully_parallel); --ours-convert megatron
+converts for our managers as NeMo's IO does too (what FlashpointHierarchicalCheckpointIO did before it
+had its own conversion). Each rank builds its state before the barrier that starts a save, so that
+one rank's slower state building is not timed as the other's wait in a collective. "to commit" adds
+the queue's blocking finalize (the version is then loadable). Our replication is waited for before
+the next save, so it does not slow the others. Prints medians and ranges, and each configuration's
+blocking over the NeMo path's and over NVRx's from the same rounds.
 
     .venv/bin/python benchmarks/bench_nvrx.py --mib 512 --rounds 5
 """
@@ -96,10 +103,13 @@ def persistent_queue() -> Any:
 class Config:
     """One configuration: its blocking save (timed), its queue, and what waits for its replication."""
 
-    def __init__(self, kind: str, root: Path, rank: int, world: int) -> None:
+    def __init__(self, kind: str, root: Path, rank: int, world: int, algo: str, ours_convert: str) -> None:
         from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue
 
-        self.kind, self.rank, self.world = kind, rank, world
+        from ml_flashpoint_nemo.nvrx.conversion import TensorAwareConversion
+
+        self.kind, self.rank, self.world, self.algo = kind, rank, world, algo
+        self.conversion = TensorAwareConversion(algo) if kind in OURS and ours_convert == "flashpoint" else None
         self.base = root / kind / f"node{rank}"
         self.strategy: Any = None
         self.manager: Any = None
@@ -113,15 +123,17 @@ class Config:
             persistent_queue() if kind in ("nemo_path", "flashpoint_persistent") else AsyncCallsQueue(persistent=False)
         )
 
-    def save(self, iteration: int, mib: float) -> tuple[float, float]:
+    def save(self, state: dict, iteration: int) -> tuple[float, float]:
         """One save's blocking part: (seconds converting to a tensor-aware state dict, seconds in all)."""
-        state = sharded_state(self.rank, self.world, mib, iteration)
         if self.strategy is not None:
             return 0.0, self._nemo_path_save(state, iteration)
         from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict
 
         started = time.perf_counter()
-        tensor_aware, _ = MCoreTensorAwareStateDict.from_state_dict(state, algo="atomic")
+        if self.conversion is not None:  # what FlashpointHierarchicalCheckpointIO converts with
+            tensor_aware = self.conversion(state)
+        else:  # what NeMo's MCoreHierarchicalCheckpointIO converts with
+            tensor_aware, _ = MCoreTensorAwareStateDict.from_state_dict(state, algo=self.algo)
         converted = time.perf_counter()
         self.queue.schedule_async_request(self.manager.save(tensor_aware, iteration, is_async=True))
         return converted - started, time.perf_counter() - started
@@ -172,16 +184,18 @@ def rank_main(args: argparse.Namespace) -> None:
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
     rank, world = dist.get_rank(), dist.get_world_size()
-    configs = {kind: Config(kind, Path(args.root), rank, world) for kind in CONFIGS}
+    configs = {kind: Config(kind, Path(args.root), rank, world, args.algo, args.ours_convert) for kind in CONFIGS}
     times: dict[str, dict[str, list[float]]] = {k: {phase: [] for phase in PHASES} for k in CONFIGS}
     for iteration in range(1, args.rounds + 2):  # the first round warms every configuration up and is not counted
         for kind, config in configs.items():
+            state = sharded_state(rank, world, args.mib, iteration)
             dist.barrier()
             started = time.perf_counter()
-            converted, blocked = config.save(iteration, args.mib)
+            converted, blocked = config.save(state, iteration)
             config.finalize()
             committed = time.perf_counter() - started
             config.wait_for_replication(iteration)
+            del state
             dist.barrier()
             if iteration > 1:
                 for phase, seconds in zip(PHASES, (converted, blocked, committed)):
@@ -205,6 +219,10 @@ def main() -> None:
     parser.add_argument("--mib", type=float, default=512, help="MiB of state per rank")
     parser.add_argument("--rounds", type=int, default=5, help="measured saves per configuration (after one warm-up)")
     parser.add_argument("--root", default="/dev/shm", help="where the configurations' directories go (a tmpfs)")
+    parser.add_argument("--algo", choices=["atomic", "fully_parallel"], default="atomic",
+                        help="the managers' conversion algorithm (NeMo's default: fully_parallel)")
+    parser.add_argument("--ours-convert", choices=["flashpoint", "megatron"], default="flashpoint",
+                        help="our managers' conversion: our IO's (checked when the sharding changed) or NeMo's IO's")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--timeout", type=float, default=1200)
     parser.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
@@ -231,6 +249,10 @@ def main() -> None:
             str(args.mib),
             "--rounds",
             str(args.rounds),
+            "--algo",
+            args.algo,
+            "--ours-convert",
+            args.ours_convert,
         ]
         code = launch_ranks(__file__, argv, nproc=2, timeout=args.timeout, log_dir=out)
         if code != 0:
@@ -257,6 +279,8 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "mib_per_rank": args.mib,
         "rounds": args.rounds,
+        "algo": args.algo,
+        "ours_convert": args.ours_convert,
         "seconds": per_save,
         "ratios": ratios,
         "targets": {"over_nemo_path": 1.0, "over_nvrx_clique": 0.3},
@@ -266,7 +290,8 @@ def main() -> None:
         return
     print(
         f"bench_nvrx: {command}\ncpu: {result['cpu']} ({result['cpus']} logical); 2 ranks, {args.mib:g} MiB each, "
-        f"{args.rounds} saves per configuration, interleaved; seconds, median (min-max) of the slower rank"
+        f"{args.rounds} saves per configuration, interleaved, {args.algo}, ours converted by {args.ours_convert}; "
+        f"seconds, median (min-max) of the slower rank"
     )
     print(f"{'configuration':22}  {'convert':24}  {'blocks':24}  {'to commit':24}")
     for kind in CONFIGS:

@@ -132,6 +132,7 @@ def test_bad_arguments_are_refused_with_what_to_do_instead(base_dir):
     with pytest.raises(LocalCheckpointingError, match="keep must be >= 1"):
         FlashpointLocalCheckpointManager(base_dir, keep=0)
     manager = FlashpointLocalCheckpointManager(base_dir, session_id=SESSION)
+    assert manager.local_ckpt_dir == base_dir / SESSION  # Megatron-LM's and Bridge's save_dir of a local save
     with pytest.raises(LocalCheckpointingError, match=r"call find_latest\(\) before load\(\)"):
         manager.load()
     manager.latest_iteration = 5  # as find_latest leaves it

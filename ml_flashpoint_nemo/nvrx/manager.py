@@ -162,6 +162,11 @@ class FlashpointLocalCheckpointManager(BaseCheckpointManager):
         self._warmed = False
         self._close_lock = threading.Lock()
 
+    @property
+    def local_ckpt_dir(self) -> Path:
+        """Where this session's versions live; Megatron-LM's and Bridge's local saves read it as their save_dir."""
+        return self.base_dir
+
     # --- NVRx's abstract methods ------------------------------------------------------------------
 
     def _my_ckpt_ids(self) -> Iterable[CkptID]:

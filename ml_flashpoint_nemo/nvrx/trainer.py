@@ -20,13 +20,16 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
 from nemo.lightning.pytorch.local_ckpt import MCoreHierarchicalCheckpointIO
 from nemo.utils.callbacks.dist_ckpt_io import AsyncFinalizableCheckpointIO
 from nvidia_resiliency_ext.ptl_resiliency.local_checkpoint_callback import LocalCheckpointCallback
 
 from ml_flashpoint_nemo.core.topology import problems_of_every_rank, reduced_ints
+from ml_flashpoint_nemo.nvrx.conversion import TensorAwareConversion
 from ml_flashpoint_nemo.nvrx.manager import FlashpointLocalCheckpointManager, LocalCheckpointingError
 from ml_flashpoint_nemo.replication.service import ReplicationConfig
 
@@ -47,11 +50,20 @@ def global_step_of(path: Any) -> int:
     )
 
 
+def _on_cpu(value: Any) -> Any:
+    """A common-state value as the local save stores it: a GPU tensor copied to the CPU, as NeMo's IO does."""
+    if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+        return value.to("cpu", non_blocking=True)
+    return value
+
+
 class FlashpointHierarchicalCheckpointIO(MCoreHierarchicalCheckpointIO):
     """NeMo's hierarchical IO whose local checkpoints are our manager's RAM versions.
 
     ``loaded_local_iteration``: the local iteration the last load read, None when it read the
-    global checkpoint (or nothing yet).
+    global checkpoint (or nothing yet). ``conversion``: the state dict's conversion before each
+    save, which runs Megatron's sharding check on the first save and after the sharding changed,
+    not on every save as NeMo's does (nvrx.conversion).
     """
 
     local_ckpt_manager: FlashpointLocalCheckpointManager
@@ -59,6 +71,13 @@ class FlashpointHierarchicalCheckpointIO(MCoreHierarchicalCheckpointIO):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.loaded_local_iteration: int | None = None
+        self.conversion = TensorAwareConversion(self.local_ckpt_algo, self.parallelization_group)
+
+    def to_tensor_aware_state_dict(self, checkpoint: dict[str, Any]) -> Any:
+        """Collective: NeMo's conversion (its common state moved off the GPU), checked only when the sharding changed."""
+        state_dict = self.conversion(checkpoint)
+        dict_list_map_inplace(_on_cpu, state_dict.common)
+        return state_dict
 
     def is_local_version(self, path: Any) -> bool:
         """Whether `path` is a version directory of our manager (what a resume without global checkpoint loads)."""
