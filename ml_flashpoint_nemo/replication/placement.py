@@ -36,7 +36,7 @@ def node_ring(node_count: int, domains: Sequence[str | None] = ()) -> tuple[int,
     are written down the columns of a grid with as many rows as the largest domain has nodes,
     and the ring reads the grid row by row. Each domain thus sits in distinct rows, at least a
     row's length apart in the ring: no node's next k-1 share its domain when every domain has
-    at most n/k nodes (docs/design.md, "Replication"). Equal domains give a round robin over
+    at most n/k nodes (docs/design.md, "Failure domains"). Equal domains give a round robin over
     them; one node per domain gives 0..n-1.
     """
     return _ring_and_positions(node_count, tuple(domains))[0]
