@@ -183,6 +183,13 @@ def test_the_domain_comes_from_the_callable_else_the_environment_else_none(monke
     with pytest.raises(FailureDomainError, match="failure_domain\\(\\) failed: KeyError"):
         failure_domain_of_this_rank(broken)
 
+    def verbose() -> str:
+        raise RuntimeError("x" * 100_000)
+
+    with pytest.raises(FailureDomainError) as raised:  # what each rank sends in the gather stays short
+        failure_domain_of_this_rank(verbose)
+    assert len(str(raised.value)) < 400
+
 
 def test_a_node_whose_ranks_name_different_domains_is_refused():
     identities = [("h0", "/a"), ("h0", "/a"), ("h1", "/a"), ("h1", "/a")]

@@ -35,6 +35,7 @@ MAX_FAILURE_DOMAIN_CHARS = 64
 # A rack, switch or zone name: printable, no spaces, bounded, so that it is safe in logs and messages.
 _FAILURE_DOMAIN = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._:/@+=-]{{0,{MAX_FAILURE_DOMAIN_CHARS - 1}}}")
 _SHOWN_PROBLEMS = 4  # the problems a FailureDomainError names; the rest are counted
+_SHOWN_CHARS = 200  # of a failing callable's message
 
 
 def node_identity(base_dir: str | os.PathLike[str]) -> tuple[str, str]:
@@ -140,7 +141,8 @@ def failure_domain_of_this_rank(source: Callable[[], str | None] | None = None) 
         try:
             value = source()
         except Exception as exc:  # noqa: BLE001 - the user's callable: its failure is reported as what it is
-            raise FailureDomainError(f"ReplicationConfig.failure_domain() failed: {type(exc).__name__}: {exc}. "
+            said = str(exc)[:_SHOWN_CHARS] + ("..." if len(str(exc)) > _SHOWN_CHARS else "")  # it travels to every rank
+            raise FailureDomainError(f"ReplicationConfig.failure_domain() failed: {type(exc).__name__}: {said}. "
                                      "Make it return this node's rack or switch name (or None)") from exc
         return None if value is None else checked_failure_domain(value, "ReplicationConfig.failure_domain()")
     value = os.environ.get(FAILURE_DOMAIN_ENV)
