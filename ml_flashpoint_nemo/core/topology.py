@@ -72,7 +72,7 @@ class NodeTopology:
         named: list[dict[str | None, list[int]]] = [{} for _ in numbers]
         for r, (node, domain) in enumerate(zip(node_of_rank, domains, strict=True)):
             named[node].setdefault(domain, []).append(r)
-        split = [f"node {node} (ranks {_ranks_text(sum(by.values(), []))}): "
+        split = [f"node {node} (ranks {_ranks_text(sorted(r for ranks in by.values() for r in ranks))}): "
                  + ", ".join(f"{domain!r} on ranks {_ranks_text(ranks)}" for domain, ranks in by.items())
                  for node, by in enumerate(named) if len(by) > 1]
         if split:

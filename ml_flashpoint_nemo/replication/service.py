@@ -31,6 +31,7 @@ import socket
 import threading
 import time
 import weakref
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -293,12 +294,12 @@ def _log_placement(topology: NodeTopology, factor: int) -> None:
         logger.info("RAM checkpoint replication on: %d nodes, factor %d (node i -> nodes i+1..i+%d mod %d)",
                     n, k, k - 1, n)
         return
-    named = {d for d in domains if d is not None}
+    named = Counter(d for d in domains if d is not None)
     logger.info("RAM checkpoint replication on: %d nodes in %d named failure domains, factor %d (each node -> "
                 "the next %d of a ring interleaving the domains)", n, len(named), k, k - 1)
     inside = nodes_replicating_inside_their_domain(n, factor, domains)
     if inside:
-        largest = max(sum(d == name for d in domains) for name in named)
+        largest = max(named.values())
         logger.warning("%d of the %d nodes keep a copy inside their own failure domain (e.g. node %d, %r): the "
                        "largest domain has %d nodes, more than 1/%d of the nodes, so a ring cannot keep them "
                        "apart; losing such a domain whole can lose those nodes' RAM checkpoints. Spread the "
