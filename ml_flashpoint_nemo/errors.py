@@ -92,6 +92,11 @@ class ReplicationConfigError(FlashpointError, ValueError):
     """A ReplicationConfig setting is out of the range the transfer service accepts."""
 
 
+class FailureDomainError(FlashpointError, ValueError):
+    """A node's failure domain (FLASHPOINT_FAILURE_DOMAIN or ReplicationConfig.failure_domain) is malformed,
+    could not be read, or the ranks of one node name different ones."""
+
+
 class DurableDrainError(FlashpointError):
     """A durable checkpoint could not be drained from RAM; the previous durable checkpoint is intact."""
 

@@ -5,6 +5,7 @@ Used by the Megatron strategies and the NVRx manager on jobs with a base directo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +41,13 @@ class NodeCopies:
         self._sent: dict[str, tuple[int, Any]] = {}  # rank 0: file name -> (newest step copied with, size and CRC)
 
     @classmethod
-    def discover(cls, base_dir: Path, previous: "NodeCopies | None") -> "NodeCopies":
-        """Collective on every rank; the leaders' group is kept while the leaders stay the same."""
-        topology = discover_nodes(base_dir)
+    def discover(cls, base_dir: Path, previous: "NodeCopies | None",
+                 failure_domain: Callable[[], str | None] | None = None) -> "NodeCopies":
+        """Collective on every rank; the leaders' group is kept while the leaders stay the same.
+
+        failure_domain: where each rank reads its node's failure domain (core.topology.discover_nodes).
+        """
+        topology = discover_nodes(base_dir, failure_domain)
         if topology.node_count == 1:
             return cls(topology, None)
         if previous is not None and previous.group is not None and previous.topology.leaders == topology.leaders:

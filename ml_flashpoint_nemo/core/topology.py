@@ -1,9 +1,13 @@
-"""Which ranks share a node, found through torch.distributed.
+"""Which ranks share a node, and each node's failure domain, found through torch.distributed.
 
 A node is the set of ranks that see the same base directory: the same host name and
 the same resolved base path. On a cluster that is one machine; in tests, several
 "nodes" share a machine and each has its own base directory. Ranks are grouped by one
 all_gather_object, never by GPU counts or launcher guesses.
+
+A failure domain is what can fail as a whole (a rack, a switch, a placement group): a
+short name each rank reads from a callable or $FLASHPOINT_FAILURE_DOMAIN and sends in
+that same gather, so learning it costs no collective. Unnamed, a node is a domain of its own.
 """
 
 from __future__ import annotations
@@ -11,8 +15,9 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import re
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -21,9 +26,16 @@ import torch
 import torch.distributed as dist
 
 from ml_flashpoint_nemo import errors
-from ml_flashpoint_nemo.errors import BaseDirError, FlashpointError
+from ml_flashpoint_nemo.errors import BaseDirError, FailureDomainError, FlashpointError
 
 logger = logging.getLogger(__name__)
+
+FAILURE_DOMAIN_ENV = "FLASHPOINT_FAILURE_DOMAIN"
+MAX_FAILURE_DOMAIN_CHARS = 64
+# A rack, switch or zone name: printable, no spaces, bounded, so that it is safe in logs and messages.
+_FAILURE_DOMAIN = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._:/@+=-]{{0,{MAX_FAILURE_DOMAIN_CHARS - 1}}}")
+_SHOWN_PROBLEMS = 4  # the problems a FailureDomainError names; the rest are counted
+_SHOWN_CHARS = 200  # of a failing callable's message
 
 
 def node_identity(base_dir: str | os.PathLike[str]) -> tuple[str, str]:
@@ -37,12 +49,37 @@ class NodeTopology:
 
     node_of_rank: tuple[int, ...]
     rank: int
+    # Each node's failure domain, None for a node that named none (a domain of its own); ()
+    # when no node named one. replication.placement spreads each node's copies over other domains.
+    domain_of_node: tuple[str | None, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.domain_of_node and len(self.domain_of_node) != self.node_count:
+            raise ValueError(f"{len(self.domain_of_node)} failure domains for {self.node_count} nodes")
 
     @classmethod
-    def from_identities(cls, identities: list[Any], rank: int) -> "NodeTopology":
+    def from_identities(cls, identities: list[Any], rank: int,
+                        domains: Sequence[str | None] = ()) -> "NodeTopology":
+        """Nodes numbered in order of their lowest rank; domains: each rank's failure domain (or None).
+
+        Every rank gets the same lists, so a node whose ranks name different domains raises the
+        same FailureDomainError on every rank.
+        """
         numbers: dict[Any, int] = {}
         node_of_rank = tuple(numbers.setdefault(tuple(identity), len(numbers)) for identity in identities)
-        return cls(node_of_rank, rank)
+        if not any(domain is not None for domain in domains):
+            return cls(node_of_rank, rank)
+        named: list[dict[str | None, list[int]]] = [{} for _ in numbers]
+        for r, (node, domain) in enumerate(zip(node_of_rank, domains, strict=True)):
+            named[node].setdefault(domain, []).append(r)
+        split = [f"node {node} (ranks {_ranks_text(sorted(r for ranks in by.values() for r in ranks))}): "
+                 + ", ".join(f"{domain!r} on ranks {_ranks_text(ranks)}" for domain, ranks in by.items())
+                 for node, by in enumerate(named) if len(by) > 1]
+        if split:
+            raise FailureDomainError(
+                f"the ranks of {len(split)} node(s) name different failure domains: " + _bounded(split)
+                + f". Give every rank of a node the same {FAILURE_DOMAIN_ENV} (or ReplicationConfig.failure_domain)")
+        return cls(node_of_rank, rank, tuple(next(iter(by)) for by in named))
 
     @cached_property
     def _ranks_by_node(self) -> tuple[tuple[int, ...], ...]:
@@ -73,24 +110,76 @@ class NodeTopology:
         return self._ranks_by_node[self.node][0] == self.rank
 
 
-def discover_nodes(base_dir: str | os.PathLike[str]) -> NodeTopology:
-    """Collective: every rank must call it. One all_gather_object of the node identities.
+def _ranks_text(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
 
-    A rank that cannot tell its identity sends why instead, and every rank raises BaseDirError.
+
+def _bounded(problems: list[str]) -> str:
+    """The first few problems and how many more: a message stays short on a job of any size."""
+    more = len(problems) - _SHOWN_PROBLEMS
+    return "; ".join(problems[:_SHOWN_PROBLEMS]) + (f"; and {more} more" if more > 0 else "")
+
+
+def checked_failure_domain(value: object, source: str) -> str:
+    """value if it is a failure domain name (1-64 of letters, digits and ._:/@+=-), else FailureDomainError."""
+    if isinstance(value, str) and _FAILURE_DOMAIN.fullmatch(value):
+        return value
+    shown = (repr(value[:MAX_FAILURE_DOMAIN_CHARS]) + (f" ({len(value)} characters)"
+                                                         if len(value) > MAX_FAILURE_DOMAIN_CHARS else "")
+             if isinstance(value, str) else f"a {type(value).__name__}")
+    raise FailureDomainError(
+        f"{source} must name a failure domain (a rack or switch, say) in 1 to {MAX_FAILURE_DOMAIN_CHARS} "
+        f"letters, digits and . _ : / @ + = - starting with a letter or digit, got {shown}")
+
+
+def failure_domain_of_this_rank(source: Callable[[], str | None] | None = None) -> str | None:
+    """This rank's failure domain: source() if given, else $FLASHPOINT_FAILURE_DOMAIN; None if neither names one.
+
+    Empty or unset means none: the node is then a domain of its own. Raises FailureDomainError.
+    """
+    if source is not None:
+        try:
+            value = source()
+        except Exception as exc:  # noqa: BLE001 - the user's callable: its failure is reported as what it is
+            said = str(exc)[:_SHOWN_CHARS] + ("..." if len(str(exc)) > _SHOWN_CHARS else "")  # it travels to every rank
+            raise FailureDomainError(f"ReplicationConfig.failure_domain() failed: {type(exc).__name__}: {said}. "
+                                     "Make it return this node's rack or switch name (or None)") from exc
+        return None if value is None else checked_failure_domain(value, "ReplicationConfig.failure_domain()")
+    value = os.environ.get(FAILURE_DOMAIN_ENV)
+    return checked_failure_domain(value, f"${FAILURE_DOMAIN_ENV}") if value else None
+
+
+def discover_nodes(base_dir: str | os.PathLike[str],
+                   failure_domain: Callable[[], str | None] | None = None) -> NodeTopology:
+    """Collective: every rank must call it. One all_gather_object of the node identities and failure domains.
+
+    failure_domain: where this rank reads its domain (see failure_domain_of_this_rank). A rank
+    that cannot tell its identity or its domain sends why instead, and every rank raises
+    BaseDirError, respectively FailureDomainError; so does a node whose ranks disagree.
     """
     rank = dist.get_rank()
-    mine: Any
+    identity: Any
     try:
-        mine = node_identity(base_dir)
+        identity = node_identity(base_dir)
     except Exception as exc:  # noqa: BLE001 - every rank learns it through the gather below
-        mine = f"rank {rank} cannot resolve its base directory {str(base_dir)!r}: {type(exc).__name__}: {exc}"
-    identities: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(identities, mine)
+        identity = f"rank {rank} cannot resolve its base directory {str(base_dir)!r}: {type(exc).__name__}: {exc}"
+    domain, domain_problem = None, None
+    try:
+        domain = failure_domain_of_this_rank(failure_domain)
+    except FailureDomainError as exc:  # every rank learns it through the gather below
+        domain_problem = f"rank {rank}: {exc}"
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (identity, domain, domain_problem))
+    identities = [g[0] for g in gathered]
     problems = [identity for identity in identities if isinstance(identity, str)]
     if problems:
         raise BaseDirError("the ranks cannot tell which of them share a node: " + "; ".join(problems)
                            + ". Give every rank a usable RAM checkpoint directory")
-    return NodeTopology.from_identities(identities, rank)
+    domain_problems = [g[2] for g in gathered if g[2]]
+    if domain_problems:
+        raise FailureDomainError(f"{len(domain_problems)} rank(s) cannot name their failure domain: "
+                                 + _bounded(domain_problems))
+    return NodeTopology.from_identities(identities, rank, [g[1] for g in gathered])
 
 
 def _collective_device() -> torch.device | None:

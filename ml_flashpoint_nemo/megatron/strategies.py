@@ -303,7 +303,8 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         plan, items = self._coordinator_items.plan, self._coordinator_items
         self._base_dirs.add(writer.layout.base_dir)
         if not reuse_plan or self._nodes is None:
-            self._nodes = NodeCopies.discover(writer.layout.base_dir, self._nodes)
+            domain = self.replication_config.failure_domain if self.replication_config else None
+            self._nodes = NodeCopies.discover(writer.layout.base_dir, self._nodes, domain)
         nodes = self._nodes
         replication = self._replication_service(writer.layout.base_dir, nodes.topology)
         # The previous version survives while the newest is not replicated on every rank.

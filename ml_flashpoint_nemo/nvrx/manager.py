@@ -346,9 +346,9 @@ class FlashpointLocalCheckpointManager(BaseCheckpointManager):
                     "the local checkpoint directory is not usable on every rank; nothing "
                     "was saved: " + "; ".join(failed)
                 )
-            topology = discover_nodes(self.base_dir)
+            topology = discover_nodes(self.base_dir, self.replication_config.failure_domain)
             if topology.node_count > 1:
-                self._nodes = NodeCopies.discover(self.base_dir, None)
+                self._nodes = NodeCopies.discover(self.base_dir, None, self.replication_config.failure_domain)
             self._replication = ReplicationService.start(self.base_dir, topology, self.replication_config)
         return self._replication.keep_for_next_save(self.keep)
 

@@ -163,8 +163,9 @@ def choose_version(
     except Exception as exc:  # noqa: BLE001 - logged; this rank offers no version
         logger.warning("Rank %d cannot list its RAM checkpoint versions in %s: %s", rank, layout.base_dir, exc)
         local = set()
-    topology = discover_nodes(base_dir)
-    session = RecoverySession(base_dir, topology, config or ReplicationConfig())
+    config = config or ReplicationConfig()
+    topology = discover_nodes(base_dir, config.failure_domain)  # the holders of each rank's copies depend on it
+    session = RecoverySession(base_dir, topology, config)
     skipped: dict[int, list[str]] = {}
     below: int | None = None
     serving = False

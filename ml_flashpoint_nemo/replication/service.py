@@ -31,6 +31,7 @@ import socket
 import threading
 import time
 import weakref
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,7 +55,13 @@ from ml_flashpoint_nemo.core.layout import (
 from ml_flashpoint_nemo.core.topology import NodeTopology, reduced_ints
 from ml_flashpoint_nemo.core.versions import committed_steps, read_commit
 from ml_flashpoint_nemo.errors import CorruptCheckpointError, FormatVersionError, ReplicationConfigError
-from ml_flashpoint_nemo.replication.placement import DEFAULT_FACTOR, effective_factor, push_sources, push_targets
+from ml_flashpoint_nemo.replication.placement import (
+    DEFAULT_FACTOR,
+    effective_factor,
+    nodes_replicating_inside_their_domain,
+    push_sources,
+    push_targets,
+)
 from ml_flashpoint_nemo.replication.secret import agree_on_secret
 
 logger = logging.getLogger(__name__)
@@ -129,6 +136,11 @@ class ReplicationConfig:
     request_timeout_s: float = 2.0
     queue_timeout_s: float = 10.0
     max_queued_per_rank: int | None = None
+    # This node's failure domain (a rack, switch or placement group: 1-64 of letters, digits and
+    # ._:/@+=-), read once per rank when the nodes are discovered; None from it, or no callable and no
+    # $FLASHPOINT_FAILURE_DOMAIN: the node is a domain of its own. The placement puts a node's
+    # copies in other domains (replication.placement); every rank of a node must name the same.
+    failure_domain: Callable[[], str | None] | None = None
 
     def __post_init__(self) -> None:
         check_admission_limits(self.request_timeout_s, self.queue_timeout_s, self.max_queued_per_rank)
@@ -274,6 +286,27 @@ def allowed_peer_addresses(hosts: Iterable[str]) -> list[str]:
     return sorted(set(found))
 
 
+def _log_placement(topology: NodeTopology, factor: int) -> None:
+    """Say how copies are placed, and warn when some stay inside their node's failure domain (once, at set-up)."""
+    n, domains = topology.node_count, topology.domain_of_node
+    k = effective_factor(factor, n)
+    if not domains:
+        logger.info("RAM checkpoint replication on: %d nodes, factor %d (node i -> nodes i+1..i+%d mod %d)",
+                    n, k, k - 1, n)
+        return
+    named = Counter(d for d in domains if d is not None)
+    logger.info("RAM checkpoint replication on: %d nodes in %d named failure domains, factor %d (each node -> "
+                "the next %d of a ring interleaving the domains)", n, len(named), k, k - 1)
+    inside = nodes_replicating_inside_their_domain(n, factor, domains)
+    if inside:
+        largest = max(named.values())
+        logger.warning("%d of the %d nodes keep a copy inside their own failure domain (e.g. node %d, %r): the "
+                       "largest domain has %d nodes, more than 1/%d of the nodes, so a ring cannot keep them "
+                       "apart; losing such a domain whole can lose those nodes' RAM checkpoints. Spread the "
+                       "nodes over more, or more equal, domains", len(inside), n,
+                       inside[0], domains[inside[0]], largest, k)
+
+
 _said_off = False
 
 
@@ -350,9 +383,7 @@ class ReplicationService:
         endpoints = peer_endpoints(base_dir, config, topology=topology, receive_pushes=True)
         service = cls(base_dir, topology, config, endpoints)
         if topology.rank == 0:
-            logger.info("RAM checkpoint replication on: %d nodes, factor %d (node i -> nodes i+1..i+%d mod %d)",
-                        topology.node_count, effective_factor(config.factor, topology.node_count),
-                        effective_factor(config.factor, topology.node_count) - 1, topology.node_count)
+            _log_placement(topology, config.factor)
         return service
 
     def close(self, timeout: float | None = DEFAULT_CLOSE_WAIT_S) -> None:

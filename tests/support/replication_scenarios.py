@@ -7,6 +7,7 @@ so the test can assert what was said.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import sys
 import time
@@ -22,6 +23,7 @@ import torch.distributed as dist  # noqa: E402
 
 from ml_flashpoint_nemo import _core  # noqa: E402
 from ml_flashpoint_nemo.core.layout import CheckpointLayout, object_name, version_relpath  # noqa: E402
+from ml_flashpoint_nemo.core.topology import FAILURE_DOMAIN_ENV  # noqa: E402
 from ml_flashpoint_nemo.core.versions import committed_steps  # noqa: E402
 from ml_flashpoint_nemo.megatron import FlashpointSaveStrategy  # noqa: E402
 from ml_flashpoint_nemo.replication import ReplicationConfig  # noqa: E402
@@ -34,8 +36,12 @@ logging.basicConfig(level=logging.INFO, stream=sys.stdout, force=True,
 
 
 def _config(p: dict[str, Any]) -> ReplicationConfig:
+    """With p["domains"] (one per node), each rank names its node's failure domain through the config's callable."""
+    domains = p.get("domains")
     return ReplicationConfig(factor=p.get("factor", 2), connect_timeout_s=2.0, io_timeout_s=5.0, retries=1,
-                             backoff_s=0.1)
+                             backoff_s=0.1,
+                             failure_domain=(lambda: domains[dist.get_rank() // p["ranks_per_node"]]) if domains
+                             else None)
 
 
 def replicate(p: dict[str, Any]) -> None:
@@ -89,8 +95,13 @@ def _push_over_the_targets_own_object(service: Any, step: int) -> None:
 
 
 def restart_load(p: dict[str, Any]) -> None:
-    """A restarted job: agree on a version (fetching from peers), then load it and compare bit-exactly."""
+    """A restarted job: agree on a version (fetching from peers), then load it and compare bit-exactly.
+
+    With p["domains_env"] (one per node), each rank names its node's failure domain in the environment.
+    """
     Path(node_base(p)).mkdir(parents=True, exist_ok=True)
+    if p.get("domains_env"):
+        os.environ[FAILURE_DOMAIN_ENV] = p["domains_env"][dist.get_rank() // p["ranks_per_node"]]
     step = choose_version(node_base(p)).step
     print(f"CHOSEN {step}", flush=True)
     if step is not None:
