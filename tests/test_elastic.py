@@ -43,6 +43,14 @@ def test_version_saved_in_one_layout_loads_into_another(base_dir, saved, loaded)
     assert all(f"LOADED 3 tp {load_tp} world {load_world}" in out for out in outputs), outputs
 
 
+def test_an_elastic_choice_discovers_and_fetches_with_the_jobs_replication_config(base_dir):
+    """Saved by 1 rank, chosen by 2: the elastic path's node discoveries and fetches get the job's config (host,
+    timeouts, failure domain), not the defaults; its failure-domain callable wins over a malformed variable."""
+    run("save_layout", 1, base=base_dir, step=3, tp=1)
+    outputs = run("load_layout", 2, base=base_dir, step=3, tp=2, domain_from_config=True)
+    assert all("LOADED 3 tp 2 world 2" in out for out in outputs), outputs
+
+
 def test_fully_parallel_load_reshards_too(base_dir):
     run("save_layout", 2, base=base_dir, step=1, tp=2)
     outputs = run("load_layout", 2, base=base_dir, step=1, tp=1, fully_parallel=True)

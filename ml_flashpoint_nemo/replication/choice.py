@@ -155,15 +155,15 @@ def choose_version(
     layout = CheckpointLayout(base_dir)
     remote_objects.stop_fetching(base_dir)  # a choice before this one served its loads, which every rank has done
     refuse_unless_private_everywhere(layout)
+    config = config or ReplicationConfig()
     if dist.get_world_size() == 1:
-        return _choose_with_every_object_on_every_node(base_dir, fetch=False, elastic=elastic)
+        return _choose_with_every_object_on_every_node(base_dir, config, fetch=False, elastic=elastic)
     rank = dist.get_rank()
     try:  # a rank that cannot list its versions offers none; it must still reach the all-reduces
         local = set(committed_steps(layout))
     except Exception as exc:  # noqa: BLE001 - logged; this rank offers no version
         logger.warning("Rank %d cannot list its RAM checkpoint versions in %s: %s", rank, layout.base_dir, exc)
         local = set()
-    config = config or ReplicationConfig()
     topology = discover_nodes(base_dir, config.failure_domain)  # the holders of each rank's copies depend on it
     session = RecoverySession(base_dir, topology, config)
     skipped: dict[int, list[str]] = {}
@@ -182,7 +182,8 @@ def choose_version(
                 continue
             if verdict.outcome == ELASTIC:
                 session.close()
-                return _choose_with_every_object_on_every_node(base_dir, fetch=True, skipped=skipped, below=below)
+                return _choose_with_every_object_on_every_node(base_dir, config, fetch=True, skipped=skipped,
+                                                               below=below)
             if verdict.outcome == CHOSEN:
                 if topology.node_count > 1:  # a load may read another rank's object: its node serves it (settle
                     session.keep_for_loads()  # started the servers)
@@ -198,6 +199,7 @@ def choose_version(
 
 def _choose_with_every_object_on_every_node(
     base_dir: str | os.PathLike[str],
+    config: ReplicationConfig,
     *,
     fetch: bool,
     skipped: dict[int, list[str]] | None = None,
@@ -210,9 +212,10 @@ def _choose_with_every_object_on_every_node(
     (replication.recovery); the candidates are then the steps committed on every node, below
     `below` (the newer ones were settled at the saved layout and skipped, for `skipped`' reasons).
     With elastic=False (a single rank only) a candidate saved by another world size is skipped.
+    The fetches and the node discovery use the job's config (its host, timeouts, failure domain).
     """
     if fetch:
-        fetch_missing_from_peers(base_dir, below=below)
+        fetch_missing_from_peers(base_dir, config, below=below)
     layout = CheckpointLayout(base_dir)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     try:  # a rank that cannot list its versions offers none; it must still reach the gather
@@ -228,7 +231,7 @@ def _choose_with_every_object_on_every_node(
     if newest_anywhere is not None and (not candidates or candidates[0] != newest_anywhere):
         missing_on = [r for r, steps in enumerate(everyone) if newest_anywhere not in steps]
         skipped[newest_anywhere] = [f"not committed on the node of ranks {missing_on}"]
-    topology = discover_nodes(base_dir) if candidates else None
+    topology = discover_nodes(base_dir, config.failure_domain) if candidates else None
     for step in candidates:
         assert topology is not None  # discovered above whenever there are candidates
         found = problems_of_every_rank(_local_problem(layout, step, topology, elastic))
@@ -238,7 +241,7 @@ def _choose_with_every_object_on_every_node(
             and topology.node_count > 1
             and _drop_corrupt_objects_on_every_rank(layout, step, topology)
         ):  # a peer may hold a good replica
-            fetch_missing_from_peers(base_dir, only_step=step)  # a peer's replica replaces what was dropped
+            fetch_missing_from_peers(base_dir, config, only_step=step)  # a peer's replica replaces what was dropped
             found = problems_of_every_rank(_local_problem(layout, step, topology, elastic))
         if not found:
             _log_skipped(skipped, step)

@@ -96,7 +96,7 @@ def fetch_missing_from_peers(
         layout.base_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # a wiped node: same identity as before the wipe
     except OSError:
         pass
-    topology = discover_nodes(base_dir)
+    topology = discover_nodes(base_dir, config.failure_domain)
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, _inventory_or_nothing(layout))
     if topology.node_count < 2:

@@ -32,6 +32,7 @@ from megatron.core.dist_checkpointing.serialization import get_default_load_shar
 
 from ml_flashpoint_nemo.megatron import FlashpointSaveStrategy  # noqa: E402
 from ml_flashpoint_nemo.replication.choice import choose_version  # noqa: E402
+from ml_flashpoint_nemo.replication.service import ReplicationConfig  # noqa: E402
 from tests.support.megatron_scenarios import load_strategy, version_dir  # noqa: E402
 from tests.support.multiproc import expect_failure, scenario_main  # noqa: E402
 
@@ -96,8 +97,17 @@ def save_layout(p: dict[str, Any]) -> None:
 
 
 def load_layout(p: dict[str, Any]) -> None:
-    """Choose the version as a restart would, then load it in layout tp=p["tp"] and check every shard."""
-    chosen = choose_version(p["base"]).step
+    """Choose the version as a restart would, then load it in layout tp=p["tp"] and check every shard. With
+    p["domain_from_config"], the choice is given a config whose failure-domain callable must win over a malformed
+    FLASHPOINT_FAILURE_DOMAIN (every node discovery of the choice must use the job's config)."""
+    config = None
+    if p.get("domain_from_config"):
+        os.environ["FLASHPOINT_FAILURE_DOMAIN"] = "not a domain!"
+        config = ReplicationConfig(failure_domain=lambda: "rack-a")
+    try:
+        chosen = choose_version(p["base"], config).step
+    finally:
+        os.environ.pop("FLASHPOINT_FAILURE_DOMAIN", None)
     assert chosen == p["step"], f"chose {chosen}, expected {p['step']}"
     loaded = dist_checkpointing.load(sharded_state(p["step"], p["tp"], zeros=True),
                                      os.path.join(p["base"], f"step-{p['step']}"), sharded_strategy=load_strategy(p))
