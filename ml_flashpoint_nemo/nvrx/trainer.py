@@ -51,9 +51,11 @@ def global_step_of(path: Any) -> int:
 
 
 def _on_cpu(value: Any) -> Any:
-    """A common-state value as the local save stores it: a GPU tensor copied to the CPU, as NeMo's IO does."""
+    """A common-state value as the local save stores it: a GPU tensor copied to the CPU, as NeMo's IO does, but
+    waited for (NeMo's non_blocking copy lands in pinned memory later than the pickling of the staging may read it;
+    the common state is a few small values, so waiting costs nothing measurable)."""
     if isinstance(value, torch.Tensor) and value.device.type != "cpu":
-        return value.to("cpu", non_blocking=True)
+        return value.to("cpu")
     return value
 
 
