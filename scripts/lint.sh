@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 py=.venv/bin/python
 failed=0
 if $py -m ruff check ml_flashpoint_nemo tests benchmarks examples; then echo "lint: ruff clean"; else echo "lint: ruff FAILED"; failed=1; fi
-if $py -m mypy.stubtest ml_flashpoint_nemo._core --allowlist scripts/stubtest_allowlist.txt; then
+if $py -m mypy.stubtest ml_flashpoint_nemo._core --allowlist scripts/stubtest_allowlist.txt \
+    --mypy-config-file scripts/stubtest_mypy.ini; then
   echo "lint: _core.pyi matches the extension"
 else
   echo "lint: _core.pyi does not match the extension (stubtest) FAILED"; failed=1
