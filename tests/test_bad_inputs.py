@@ -101,6 +101,8 @@ def test_a_base_dir_writable_by_group_or_others_is_refused_and_kept(tmp_path, mo
     base.chmod(mode)
     with pytest.raises(BaseDirError, match=rf"writable by group or others \(mode 0{mode:o}\).*Run: chmod 700 {re.escape(str(base))}$"):
         CheckpointSaver(base)
+    with pytest.raises(BaseDirError, match="writable by group or others"):  # a load would read what they planted
+        load_version(base, 1)
     base.chmod(0o755)  # not writable by others: fine, and what was there is intact
     assert torch.equal(load_version(base, 1)["x"], torch.ones(3))
     CheckpointSaver(base).close()
@@ -116,6 +118,48 @@ def test_a_base_dir_owned_by_another_user_is_refused(tmp_path):
     with pytest.raises(BaseDirError, match=rf"owned by uid 4242, not by this job's user \(uid 0\).*chown -R 0 {re.escape(str(base))} && chmod 700"):
         CheckpointSaver(base)
     assert sorted(os.listdir(base)) == []
+
+
+def _saved_under(parent: Path) -> Path:
+    base = parent / "base"
+    with CheckpointSaver(base) as saver:
+        saver.save(1, {"x": torch.ones(3)})
+    return base
+
+
+def test_a_directory_above_the_base_that_others_may_write_refuses_saves_and_loads(tmp_path):
+    """Whoever may write a directory above the base (no sticky bit) can swap the base for one of their own."""
+    base = _saved_under(tmp_path / "shared")
+    (tmp_path / "shared").chmod(0o777)
+    unsafe = rf"{re.escape(str(tmp_path / 'shared'))}, a directory above .* without the sticky bit \(mode 0777\)"
+    for attempt in (lambda: CheckpointSaver(base), lambda: load_version(base, 1), lambda: load_newest_valid(base)):
+        with pytest.raises(BaseDirError, match=unsafe):
+            attempt()
+    (tmp_path / "shared").chmod(0o1777)  # sticky, as /dev/shm: others may not rename what is ours
+    assert torch.equal(load_version(base, 1)["x"], torch.ones(3))
+    assert load_newest_valid(base)[0] == 1
+    CheckpointSaver(base).close()
+
+
+def test_a_directory_above_the_base_owned_by_another_user_refuses_loads(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("giving a directory to another uid needs root")
+    base = _saved_under(tmp_path / "theirs")
+    os.chown(tmp_path / "theirs", 4242, -1)
+    with pytest.raises(BaseDirError, match=r"theirs, a directory above .* owned by uid 4242, not by root or this job"):
+        load_version(base, 1)
+    os.chown(tmp_path / "theirs", 0, -1)
+    assert torch.equal(load_version(base, 1)["x"], torch.ones(3))
+
+
+def test_a_symlinked_base_is_checked_where_it_resolves(tmp_path):
+    """The path as given may be fine while the directory it leads to sits under one that others may write."""
+    real = _saved_under(tmp_path / "elsewhere")
+    (tmp_path / "elsewhere").chmod(0o777)
+    (tmp_path / "private").mkdir(mode=0o700)
+    (tmp_path / "private" / "link").symlink_to(real)
+    with pytest.raises(BaseDirError, match=r"elsewhere, a directory above"):
+        load_version(tmp_path / "private" / "link", 1)
 
 
 def test_base_dir_off_tmpfs_warns_and_works(tmp_path, caplog):

@@ -307,6 +307,23 @@ def test_export_single_rank_dcp_version_round_trips_bit_exact(tmp_base, tmp_path
     assert_bit_exact(expected, loaded)
 
 
+def test_export_refuses_and_verify_warns_when_another_user_could_have_written_the_base(tmp_base, tmp_path):
+    with CheckpointSaver(tmp_base) as saver:
+        saver.save(2, {"x": torch.arange(4)})
+    tmp_base.chmod(0o777)
+    try:
+        refused = flashpoint("export", tmp_base, 2, tmp_path / "out")
+        assert refused.returncode == 2 and "not exported" in refused.stderr and "chmod 700" in refused.stderr
+        assert not (tmp_path / "out").exists()
+        verified = flashpoint("verify", tmp_base)
+        assert verified.returncode == 0, verified.stderr
+        assert "warning:" in verified.stderr and "writable by group or others" in verified.stderr
+    finally:
+        tmp_base.chmod(0o700)
+    assert flashpoint("export", tmp_base, 2, tmp_path / "out").returncode == 0
+    assert "warning:" not in flashpoint("verify", tmp_base).stderr
+
+
 def test_export_two_rank_sharded_dcp_version_round_trips_bit_exact(tmp_base, tmp_path):
     run_world("dcp_scenarios", "save_only", 2, {"base": str(tmp_base), "step": 4})
     listed = json.loads(flashpoint("ls", tmp_base, "--json").stdout)

@@ -196,7 +196,12 @@ def _prepare_dest(dest: Path, layout: CheckpointLayout, force: bool) -> bool:
 def run(args: argparse.Namespace) -> int:
     from ml_flashpoint_nemo.core.versions import committed_steps
 
+    from ml_flashpoint_nemo.core.layout import not_private_problem
+
     layout = open_base(args.base)
+    unsafe = not_private_problem(layout.base_dir)
+    if unsafe is not None:  # the export would hand on whatever another user planted there
+        raise CliError(f"not exported: {unsafe}")
     step = parse_step(args.step)
     committed = committed_steps(layout)
     if step not in committed:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from ml_flashpoint_nemo.cli.common import (
@@ -17,7 +18,7 @@ from ml_flashpoint_nemo.cli.common import (
     print_json,
 )
 from ml_flashpoint_nemo.core.format import CommitRecord, ObjectRecord
-from ml_flashpoint_nemo.core.layout import CheckpointLayout
+from ml_flashpoint_nemo.core.layout import CheckpointLayout, not_private_problem
 from ml_flashpoint_nemo.core.tuning import default_copy_threads
 from ml_flashpoint_nemo.core.version_files import check_version_files
 from ml_flashpoint_nemo.core.versions import committed_steps, read_commit
@@ -98,6 +99,9 @@ def _verdict(problems: list[dict[str, Any]]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     layout = open_base(args.base)
+    unsafe = not_private_problem(layout.base_dir)
+    if unsafe is not None:  # intact bytes prove nothing about who wrote them
+        print(f"warning: {unsafe}", file=sys.stderr)
     all_steps = layout.version_steps()
     committed = committed_steps(layout)
     if args.step is not None:

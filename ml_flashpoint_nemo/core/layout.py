@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import stat
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -235,6 +236,39 @@ def not_private_problem(directory: str | os.PathLike[str]) -> str | None:
     if st.st_mode & 0o022:
         return (f"checkpoint base directory {directory} is writable by group or others (mode "
                 f"{st.st_mode & 0o7777:04o}), so they can change what a restart loads. Run: chmod 700 {directory}")
+    return unsafe_parent_problem(directory)
+
+
+def unsafe_parent_problem(directory: str | os.PathLike[str]) -> str | None:
+    """Why a directory above the base lets another user replace the base (None: none does).
+
+    Whoever owns a directory above the base, or may write it without the sticky bit, can rename
+    the base away and put a directory of their own in its place. Directories of root and of this
+    process's user are trusted; one that others may write needs the sticky bit (as /dev/shm and
+    /tmp have). Both the path as given and its resolved form (symlinks followed) are checked.
+    """
+    me = os.geteuid()
+    seen: set[str] = set()
+    for path in (os.path.abspath(directory), os.path.realpath(directory)):
+        parent = os.path.dirname(path)
+        while parent not in seen:
+            seen.add(parent)
+            try:
+                st = os.stat(parent)
+            except OSError as exc:
+                return (f"cannot inspect {parent}, a directory above checkpoint base directory {directory}: "
+                        f"{exc.strerror}")
+            if st.st_uid not in (0, me):
+                return (f"{parent}, a directory above checkpoint base directory {directory}, is owned by uid "
+                        f"{st.st_uid}, not by root or this job's user (uid {me}): that user can replace the base "
+                        "directory and so decide what a restart loads. Put the base directory under a directory "
+                        "of yours or root's (e.g. /dev/shm/<job>).")
+            if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+                return (f"{parent}, a directory above checkpoint base directory {directory}, is writable by group "
+                        f"or others without the sticky bit (mode {st.st_mode & 0o7777:04o}): they can replace the "
+                        f"base directory and so decide what a restart loads. Run: chmod +t {parent} (or chmod "
+                        f"go-w {parent}), or put the base directory elsewhere (e.g. under /dev/shm).")
+            parent = os.path.dirname(parent)
     return None
 
 

@@ -282,13 +282,19 @@ def load_version(
     into: Mapping[str, torch.Tensor] | None = None,
     keys: Sequence[str] | None = None,
     threads: int | None = None,
+    check_private: bool = True,
 ) -> dict[str, torch.Tensor | BytesLike]:
     """Load rank's state of committed version `step` (the newest if None).
 
     Tensors named in `into` are filled in place (same shape and dtype required) and
-    returned; other keys come back as new CPU tensors, bytes records as bytes.
+    returned; other keys come back as new CPU tensors, bytes records as bytes. A base
+    directory that another user could write or replace raises BaseDirError first
+    (layout.not_private_problem); check_private=False is for callers whose ranks agreed
+    on that check already (replication.choice.choose_version), so that no rank raises alone.
     """
     layout = CheckpointLayout(base_dir)
+    if check_private:
+        layout.ensure_private()
     if step is None:
         steps = committed_steps(layout)
         if not steps:
@@ -328,13 +334,15 @@ def load_newest_valid(
 
     Each skipped version is logged with the reason. Raises VersionNotFoundError when none loads.
     A destination that does not fit (LoadMismatchError, MissingKeyError) is the caller's to fix
-    and is raised; any other failure of a version, even one no check foresaw, skips it.
+    and is raised; any other failure of a version, even one no check foresaw, skips it. A base
+    directory that another user could write or replace raises BaseDirError (nothing is loaded).
     """
     layout = CheckpointLayout(base_dir)
+    layout.ensure_private()
     failures = []
     for step in reversed(committed_steps(layout)):
         try:
-            return step, load_version(base_dir, step, rank=rank, into=into, threads=threads)
+            return step, load_version(base_dir, step, rank=rank, into=into, threads=threads, check_private=False)
         except (CorruptCheckpointError, FormatVersionError, VersionNotFoundError) as exc:
             skipped: Exception = exc
         except (LoadMismatchError, MissingKeyError):

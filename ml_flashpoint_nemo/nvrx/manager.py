@@ -182,7 +182,8 @@ class FlashpointLocalCheckpointManager(BaseCheckpointManager):
     def _load(self, ckpt_id: CkptID) -> TensorAwareStateDict:
         iteration, rank, session = self._checked_id(ckpt_id)
         where = f"local checkpoint iteration {iteration} of rank {rank} in {self.base_dir}"
-        return unflatten(load_version(self.base_dir, iteration, rank=rank, threads=self.threads), where)
+        return unflatten(load_version(self.base_dir, iteration, rank=rank, threads=self.threads,
+                                       check_private=False), where)
 
     def _save(self, state_dict: TensorAwareStateDict, ckpt_id: CkptID) -> None:
         """This rank's object of the version, written but not committed (save() commits)."""
