@@ -22,9 +22,10 @@ Kinds, run interleaved round by round (every kind once per round, same order):
   sent with SSL_sendfile(); run only where the kernel offers the "tls" upper-layer protocol
   (probed with setsockopt(TCP_ULP, "tls") on a loopback connection; the reason is printed if not).
 
-Per end, CPU seconds per GB moved: the C ends from getrusage(RUSAGE_THREAD) of each thread (the
-handshake excluded), our push's sender from its calling thread's and its receiver from the rest
-of the process's; raw_tcp has only the process total. File copies are compared with the source
+Per end, CPU seconds per GB moved (the scheduler's exact runtime, CLOCK_THREAD_CPUTIME_ID and
+CLOCK_PROCESS_CPUTIME_ID, not getrusage, which a tick-accounting kernel rounds): the C ends
+each thread's (the handshake excluded), our push's sender its calling thread's and its receiver
+the rest of the process's; raw_tcp has only the process total. File copies are compared with the source
 once, after the warm-up. Prints one JSON object.
 
     python benchmarks/bench_tls_psk.py [--mib 256] [--rounds 5]
@@ -39,13 +40,13 @@ import argparse
 import errno
 import json
 import os
-import resource
 import shutil
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -143,23 +144,18 @@ def run_helper(binary: Path, kind: str, nbytes: int, src: Path, dst: Path) -> di
         raise RuntimeError(f"{kind}: the kernel offers TLS but libssl did not hand the send side to it "
                            "(libssl built without KTLS?)")
     return {"seconds": report["seconds"],
-            "sender_cpu_s": report["sender"]["user_s"] + report["sender"]["sys_s"],
-            "receiver_cpu_s": report["receiver"]["user_s"] + report["receiver"]["sys_s"],
+            "sender_cpu_s": report["sender"]["cpu_s"],
+            "receiver_cpu_s": report["receiver"]["cpu_s"],
             "handshake_s": max(report["sender"]["handshake_s"], report["receiver"]["handshake_s"]),
             "ktls": [report["sender"]["ktls_send"], report["receiver"]["ktls_recv"]],
             "openssl": report["openssl"]}
 
 
-def _cpu(who: int) -> float:
-    usage = resource.getrusage(who)
-    return usage.ru_utime + usage.ru_stime
-
-
 def run_python(measure: Callable[[], float], nbytes: int, per_end: bool) -> dict:
     """A transfer in this process: measure() returns bytes per second; CPU split by the calling thread."""
-    process, thread = _cpu(resource.RUSAGE_SELF), _cpu(resource.RUSAGE_THREAD)
+    process, thread = time.process_time(), time.thread_time()
     rate = measure()
-    process, thread = _cpu(resource.RUSAGE_SELF) - process, _cpu(resource.RUSAGE_THREAD) - thread
+    process, thread = time.process_time() - process, time.thread_time() - thread
     row: dict = {"seconds": nbytes / rate, "total_cpu_s": process}
     if per_end:
         row.update(sender_cpu_s=thread, receiver_cpu_s=process - thread)

@@ -12,8 +12,8 @@
  * into a shared mapping of DST, which must already be NBYTES long (a steady push's spare).
  *
  * Prints one JSON object: seconds from the sender's first byte to the receiver's last (the
- * handshake is timed apart), and each thread's user and system CPU time (getrusage RUSAGE_THREAD)
- * from the handshake's end to its last byte. Exits 1 with a message on stderr on any failure. */
+ * handshake is timed apart), and each thread's CPU time (CLOCK_THREAD_CPUTIME_ID, with getrusage's
+ * user/system split) from the handshake's end to its last byte. Exits 1 with a message on stderr on any failure. */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <errno.h>
@@ -43,7 +43,7 @@ static size_t nbytes, chunk;
 static const char *src_path, *dst_path;
 
 struct end_result {
-  double start, end, user, sys, handshake;
+  double start, end, cpu, user, sys, handshake;
   int ktls_send, ktls_recv, psk_used;
   char version[16], cipher[64];
 };
@@ -60,11 +60,22 @@ static double now(void) {
   return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-static void thread_cpu(double *user, double *sys) {
+/* The thread's CPU time (the scheduler's exact runtime) and its user/system split (getrusage,
+ * which a tick-accounting kernel rounds: small transfers can read 0 there). */
+static void thread_cpu(double *cpu, double *user, double *sys) {
+  struct timespec ts;
   struct rusage ru;
-  if (getrusage(RUSAGE_THREAD, &ru) != 0) die("getrusage");
+  if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) != 0 || getrusage(RUSAGE_THREAD, &ru) != 0) die("thread CPU time");
+  *cpu = ts.tv_sec + ts.tv_nsec * 1e-9;
   *user = ru.ru_utime.tv_sec + ru.ru_utime.tv_usec * 1e-6;
   *sys = ru.ru_stime.tv_sec + ru.ru_stime.tv_usec * 1e-6;
+}
+
+static void thread_cpu_since(struct end_result *r, double c0, double u0, double s0) {
+  thread_cpu(&r->cpu, &r->user, &r->sys);
+  r->cpu -= c0;
+  r->user -= u0;
+  r->sys -= s0;
 }
 
 /* The session that carries the external PSK: same key, identity and suite on both ends. */
@@ -119,6 +130,21 @@ static void describe(SSL *ssl, struct end_result *r) {
   r->ktls_recv = BIO_get_ktls_recv(SSL_get_rbio(ssl)) ? 1 : 0;
 }
 
+/* Sends (sending) or receives exactly n bytes at p, over TLS where ssl is set. */
+static void move_all(SSL *ssl, int fd, unsigned char *p, size_t n, int sending) {
+  while (n > 0) {
+    size_t moved = 0;
+    long got;
+    if (ssl)
+      got = (sending ? SSL_write_ex(ssl, p, n, &moved) : SSL_read_ex(ssl, p, n, &moved)) ? (long)moved : -1;
+    else
+      got = sending ? send(fd, p, n, MSG_NOSIGNAL) : recv(fd, p, n, MSG_WAITALL);
+    if (got <= 0) die(sending ? "sending" : "receiving");
+    p += got;
+    n -= (size_t)got;
+  }
+}
+
 static int listen_fd, client_fd;
 static struct sockaddr_in addr;
 
@@ -140,47 +166,20 @@ static void *receiver(void *arg) {
     die("malloc");
   }
   r->handshake = now() - t0;
-  double u0, s0;
-  thread_cpu(&u0, &s0);
-  size_t got = 0;
-  while (got < nbytes) {
-    size_t want = nbytes - got;
-    unsigned char *at = dst_path ? out + got : out + (got % chunk);
-    if (!dst_path && want > chunk - got % chunk) want = chunk - got % chunk;
-    long n;
-    if (ssl) {
-      size_t read = 0;
-      n = SSL_read_ex(ssl, at, want, &read) ? (long)read : -1;
-    } else {
-      n = recv(fd, at, want, MSG_WAITALL);
-    }
-    if (n <= 0) die("receiving");
-    got += (size_t)n;
+  double c0, u0, s0;
+  thread_cpu(&c0, &u0, &s0);
+  for (size_t got = 0; got < nbytes;) {
+    size_t want = nbytes - got < chunk ? nbytes - got : chunk;
+    move_all(ssl, fd, dst_path ? out + got : out, want, 0);
+    got += want;
   }
   r->end = now();
-  thread_cpu(&r->user, &r->sys);
-  r->user -= u0;
-  r->sys -= s0;
+  thread_cpu_since(r, c0, u0, s0);
   if (ssl) SSL_free(ssl);
   close(fd);
   if (dst_path) munmap(out, nbytes), close(map_fd);
   else free(out);
   return NULL;
-}
-
-static void send_all(SSL *ssl, int fd, const unsigned char *p, size_t n) {
-  while (n > 0) {
-    long sent;
-    if (ssl) {
-      size_t w = 0;
-      sent = SSL_write_ex(ssl, p, n, &w) ? (long)w : -1;
-    } else {
-      sent = send(fd, p, n, MSG_NOSIGNAL);
-    }
-    if (sent <= 0) die("sending");
-    p += sent;
-    n -= (size_t)sent;
-  }
 }
 
 static void sender(struct end_result *r) {
@@ -197,8 +196,8 @@ static void sender(struct end_result *r) {
   if (buf == NULL) die("malloc");
   memset(buf, 0x5a, chunk);
   r->handshake = now() - t0;
-  double u0, s0;
-  thread_cpu(&u0, &s0);
+  double c0, u0, s0;
+  thread_cpu(&c0, &u0, &s0);
   r->start = now();
   for (size_t done = 0; done < nbytes;) {
     size_t n = nbytes - done < chunk ? nbytes - done : chunk;
@@ -208,22 +207,20 @@ static void sender(struct end_result *r) {
       n = (size_t)sent;
     } else {
       if (src >= 0 && pread(src, buf, n, (off_t)done) != (ssize_t)n) die("pread SRC");
-      send_all(ssl, client_fd, buf, n);
+      move_all(ssl, client_fd, buf, n, 1);
     }
     done += n;
   }
-  thread_cpu(&r->user, &r->sys);
-  r->user -= u0;
-  r->sys -= s0;
+  thread_cpu_since(r, c0, u0, s0);
   if (ssl) SSL_shutdown(ssl), SSL_free(ssl);
   if (src >= 0) close(src);
   free(buf);
 }
 
 static void print_end(const char *name, const struct end_result *r) {
-  printf("\"%s\": {\"user_s\": %.6f, \"sys_s\": %.6f, \"handshake_s\": %.6f, \"version\": \"%s\", "
-         "\"cipher\": \"%s\", \"psk_used\": %s, \"ktls_send\": %s, \"ktls_recv\": %s}",
-         name, r->user, r->sys, r->handshake, r->version, r->cipher, r->psk_used ? "true" : "false",
+  printf("\"%s\": {\"cpu_s\": %.6f, \"user_s\": %.6f, \"sys_s\": %.6f, \"handshake_s\": %.6f, "
+         "\"version\": \"%s\", \"cipher\": \"%s\", \"psk_used\": %s, \"ktls_send\": %s, \"ktls_recv\": %s}",
+         name, r->cpu, r->user, r->sys, r->handshake, r->version, r->cipher, r->psk_used ? "true" : "false",
          r->ktls_send ? "true" : "false", r->ktls_recv ? "true" : "false");
 }
 
