@@ -155,6 +155,7 @@ static void *receiver(void *arg) {
   if (fd < 0) die("accept");
   SSL *ssl = mode_tls ? tls_on(fd, 1) : NULL;
   if (ssl) describe(ssl, r);
+  r->handshake = now() - t0;
   unsigned char *out = NULL;
   int map_fd = -1;
   if (dst_path) {
@@ -165,7 +166,6 @@ static void *receiver(void *arg) {
   } else if ((out = malloc(chunk)) == NULL) {
     die("malloc");
   }
-  r->handshake = now() - t0;
   double c0, u0, s0;
   thread_cpu(&c0, &u0, &s0);
   for (size_t got = 0; got < nbytes;) {
@@ -190,12 +190,12 @@ static void sender(struct end_result *r) {
     die("connect");
   SSL *ssl = mode_tls ? tls_on(client_fd, 0) : NULL;
   if (ssl) describe(ssl, r);
+  r->handshake = now() - t0;
   int src = -1;
   if (src_path && (src = open(src_path, O_RDONLY | O_CLOEXEC)) < 0) die("open SRC");
   unsigned char *buf = malloc(chunk);
   if (buf == NULL) die("malloc");
   memset(buf, 0x5a, chunk);
-  r->handshake = now() - t0;
   double c0, u0, s0;
   thread_cpu(&c0, &u0, &s0);
   r->start = now();
