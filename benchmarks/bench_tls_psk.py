@@ -15,8 +15,9 @@ Kinds, run interleaved round by round (every kind once per round, same order):
   TLS_AES_256_GCM_SHA384 / TLS_AES_128_GCM_SHA256 in user space (SSL_write / SSL_read), same shape.
 - raw_files_c, tls_aes256_files, tls_aes128_files: what a push moves: the sender pread()s each
   256 KiB chunk of a real object (saved by CheckpointSaver) and sends it, the receiver reads
-  straight into a shared mapping of a replica file whose pages are already there (a steady push's
-  spare). No CRC32C on either end, which our push computes on the receiver.
+  straight into a shared mapping of a replica file whose pages are already there and mapped
+  before the timer starts (a steady push's spare and kept mapping). No CRC32C on either end,
+  which our push computes on the receiver.
 - push: our steady push (bench_replication_transport's, the default path: tags from a buffer).
 - ktls_aes256_sendfile: the TLS session handed to the kernel (SSL_OP_ENABLE_KTLS) and the object
   sent with SSL_sendfile(); run only where the kernel offers the "tls" upper-layer protocol

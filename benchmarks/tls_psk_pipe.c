@@ -9,7 +9,8 @@
  * Without SRC/DST the sender sends one CHUNK-byte buffer over and over and the receiver reads into
  * one CHUNK-byte buffer (the shape of raw TCP in benchmarks/references.py). With them the sender
  * pread()s each chunk of SRC into its buffer (or sendfile()s it) and the receiver reads straight
- * into a shared mapping of DST, which must already be NBYTES long (a steady push's spare).
+ * into a shared mapping of DST, which must already be NBYTES long (a steady push's spare); the
+ * mapping is faulted in before the timer starts, as a steady push's kept mapping is.
  *
  * Prints one JSON object: seconds from the sender's first byte to the receiver's last (the
  * handshake is timed apart), and each thread's CPU time (CLOCK_THREAD_CPUTIME_ID, with getrusage's
