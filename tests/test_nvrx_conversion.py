@@ -1,8 +1,8 @@
 """The conversion before a local save checks the sharding on the first save and after it changed, never on a steady one.
 
-2 gloo ranks run tests/support/nvrx_conversion_rank.py: 8 saves whose sharding stays, changes on
+2 gloo ranks run tests/support/nvrx_conversion_rank.py: 10 saves whose sharding stays, changes on
 rank 1 only, is broken on rank 1 (Megatron's check fails on rank 0 alone), is back, then cannot be
-converted on rank 1. Counted:
+converted on rank 1, then cannot be pickled for the check on rank 1. Counted:
 the object collectives Megatron's check makes while converting (an all_gather_object of every
 rank's shards and a broadcast_object_list of the common state), which Megatron's from_state_dict,
 as NeMo's hierarchical IO calls it, makes on every save.
@@ -28,6 +28,7 @@ RANK_SCRIPT = str(REPO / "tests" / "support" / "nvrx_conversion_rank.py")
 CHECKED = (1, 4, 7)  # the first save, rank 1's new object, the sharding back after the failed save
 BROKEN = 6
 UNCONVERTIBLE = 9
+UNPICKLABLE = 10
 
 
 def saves_of(tmp_path: Path, base: Path, via: str, algo: str) -> list[list[dict]]:
@@ -62,6 +63,10 @@ def test_sharding_is_checked_when_it_changed_on_any_rank_and_a_broken_one_fails_
             elif iteration == UNCONVERTIBLE:
                 assert "cannot be converted for a local checkpoint" in save.get("error", ""), where
                 assert "rank 1: ValueError: this factory fails on purpose" in save["error"], where
+                assert save["checks"] == 0 and save["broadcast_object_list"] == 0, where
+            elif iteration == UNPICKLABLE:  # before Megatron's all-gather, which would raise on rank 1 alone
+                assert "metadata (key, shape, offset, replica id) cannot be pickled" in save.get("error", ""), where
+                assert "rank 1: TypeError: cannot pickle '_thread.lock' object" in save["error"], where
                 assert save["checks"] == 0 and save["broadcast_object_list"] == 0, where
             elif iteration in CHECKED:
                 assert "error" not in save and save["checks"] == 1, where

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import pickle
 from typing import Any
 
 import torch.distributed as dist
@@ -112,6 +113,17 @@ class TensorAwareConversion:
         first = self._checked is None
         self._checked, self._distribution = None, None
         problem = None
+        try:  # what determine_global_metadata all-gathers: failing to pickle it there would raise on this rank
+            # alone, inside all_gather_object, while the others wait in it; here every rank learns it first
+            pickle.dumps([shard.without_data() for shard in nested_values(converted.sharded_state_dict)])
+        except Exception as exc:  # noqa: BLE001 - every rank learns it below
+            problem = f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"
+        failed = problems_of_every_rank(problem)
+        if failed:
+            raise InvalidShardingError(
+                "the shards' metadata (key, shape, offset, replica id) cannot be pickled for Megatron's sharding "
+                "check; nothing was saved. Fix the values the ranks named report: " + "; ".join(failed)
+            )
         try:
             validate_sharding_integrity(
                 determine_global_metadata(converted.sharded_state_dict)[1], common_state_dict=converted.common

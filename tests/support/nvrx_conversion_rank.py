@@ -1,4 +1,4 @@
-"""One rank of a job that converts and saves 8 local checkpoints, counting Megatron's sharding-check collectives.
+"""One rank of a job that converts and saves 10 local checkpoints, counting Megatron's sharding-check collectives.
 
 tests/test_nvrx_conversion.py. Each save converts megatron_scenarios' sharded state with
 --via "conversion" (TensorAwareConversion, as Megatron-LM-style code would call it) or "io"
@@ -6,7 +6,8 @@ tests/test_nvrx_conversion.py. Each save converts megatron_scenarios' sharded st
 LocalCheckpointCallback calls), then saves it through FlashpointLocalCheckpointManager. The
 sharding, save by save (PLAN): unchanged; one more ShardedObject on rank 1 only; rank 1's weight
 shard claiming rank 0's rows (Megatron's check fails on rank 0); the original again; a factory that
-raises on rank 1 (the conversion fails there before any collective). Written per
+raises on rank 1 (the conversion fails there before any collective); a ShardedObject on rank 1 whose
+replica id cannot be pickled (it converts, but Megatron's check could not all-gather it). Written per
 save: the all_gather_object and broadcast_object_list calls while converting (Megatron's check
 makes both), the conversion's check count, and the error if the save failed. Then the newest
 version is loaded back and checked bit for bit. First, sharding_of is checked on small state dicts:
@@ -19,6 +20,7 @@ import argparse
 import datetime
 import json
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -36,7 +38,7 @@ from ml_flashpoint_nemo.nvrx.conversion import TensorAwareConversion, sharding_o
 from tests.support.megatron_scenarios import check_loaded, sharded_state  # noqa: E402
 
 PLAN = ("same", "same", "same", "extra_on_rank_1", "extra_on_rank_1", "broken_on_rank_1", "same", "same",
-        "unconvertible_on_rank_1")
+        "unconvertible_on_rank_1", "unpicklable_on_rank_1")
 COUNTED = ("all_gather_object", "broadcast_object_list")
 calls = {name: 0 for name in COUNTED}
 
@@ -61,6 +63,8 @@ def state_of(kind: str, seed: int) -> dict[str, Any]:
     if kind == "broken_on_rank_1" and rank == 1:
         weight = state["layer.weight"]
         state["layer.weight"] = ShardedTensor.from_rank_offsets("layer.weight", weight.data, (0, 0, world))
+    if kind == "unpicklable_on_rank_1" and rank == 1:  # converts, but its metadata cannot be all-gathered
+        state["odd"] = ShardedObject("odd", {"rank": rank}, (1,), (0,), replica_id=(0, threading.Lock()))
     if kind == "unconvertible_on_rank_1" and rank == 1:
         state["factory"] = ShardedTensorFactory("factory", state["layer.bias"].data, _fails, _fails)
     return state
