@@ -194,9 +194,8 @@ def _prepare_dest(dest: Path, layout: CheckpointLayout, force: bool) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ml_flashpoint_nemo.core.versions import committed_steps
-
     from ml_flashpoint_nemo.core.layout import not_private_problem
+    from ml_flashpoint_nemo.core.versions import committed_steps
 
     layout = open_base(args.base)
     unsafe = not_private_problem(layout.base_dir)
