@@ -729,12 +729,18 @@ MODELLED = (("save (steady)", "save_steady"), ("recovery (intact)", "recovery_in
             ("recovery (lost)", "recovery_lost"), ("load", "load"))
 
 
-def lookup(row: Json, path: Sequence[str]) -> float | None:
+def walk(row: Json, path: Sequence[str]) -> Any:
+    """row[path[0]][path[1]]..., or None where a key is missing."""
     value: Any = row
     for key in path:
         if not isinstance(value, dict) or key not in value:
             return None
         value = value[key]
+    return value
+
+
+def lookup(row: Json, path: Sequence[str]) -> float | None:
+    value = walk(row, path)
     return float(value) if isinstance(value, (int, float)) else None
 
 
@@ -831,11 +837,7 @@ def modelled_seconds(rows: list[Json], args: argparse.Namespace, alpha: float, b
 
 
 def lookup_dict(row: Json, path: Sequence[str]) -> Json | None:
-    value: Any = row
-    for key in path:
-        if not isinstance(value, dict) or key not in value:
-            return None
-        value = value[key]
+    value = walk(row, path)
     return value if isinstance(value, dict) and value else None
 
 

@@ -13,8 +13,9 @@ What "received" means, per call, for the calling rank (group = the call's group)
 - tensor collectives: the bytes of the tensors other ranks' data lands in: all_reduce and
   reduce_scatter the output, all_gather / gather / all_to_all the other ranks' parts,
   broadcast / scatter / reduce the tensor unless this rank is the source.
-- barrier, monitored_barrier, new_group, new_subgroups: 0 bytes (counted as collectives:
-  new_group synchronises every rank of the world through the store).
+- barrier, monitored_barrier, new_group, new_subgroups: 0 bytes (counted as collectives: every
+  rank of the world calls new_group for every group; with TORCH_DIST_INIT_BARRIER=1 each call is
+  a barrier of the world through the store, otherwise only a group's members meet).
 Re-pickling received objects to size them costs time inside the measured call; it is
 accumulated in `overhead_seconds` so that callers can take it off their timings.
 
