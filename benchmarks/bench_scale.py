@@ -338,7 +338,8 @@ def rank_main(spec: RankSpec) -> Json:
     cpu_shims.install_for_checkpointing()
     from collective_meter import CollectiveMeter
 
-    meter = CollectiveMeter().install()  # before ml_flashpoint_nemo's modules are imported
+    # before ml_flashpoint_nemo's modules are imported; nodes as the harness makes them (consecutive ranks)
+    meter = CollectiveMeter(node_of=lambda rank: rank // spec.ranks_per_node).install()
     import torch
     import torch.distributed as dist
 
@@ -578,12 +579,20 @@ def kind_counts(window: Json) -> dict[str, float]:
     return counts
 
 
+def scope_counts(windows: list[Json]) -> dict[str, float]:
+    """Calls per "kind:scope" (collective_meter), max over the windows (ranks): a leader gathers where others do not."""
+    keys = sorted({key for w in windows for key in w.get("by_scope", {})})
+    return {key: max(float(w.get("by_scope", {}).get(key, 0)) for w in windows) for key in keys}
+
+
 def merged(windows: list[Json]) -> Json:
     """One window's totals from several (e.g. a save's blocking part and its commit)."""
-    total: Json = {"collectives": 0, "received": 0, "padded": 0, "seconds": 0.0, "by_function": {}}
+    total: Json = {"collectives": 0, "received": 0, "padded": 0, "seconds": 0.0, "by_function": {}, "by_scope": {}}
     for w in windows:
         for key in ("collectives", "received", "padded", "seconds"):
             total[key] += w[key]
+        for key, calls in w.get("by_scope", {}).items():
+            total["by_scope"][key] = total["by_scope"].get(key, 0) + calls
         for name, stats in w["by_function"].items():
             into = total["by_function"].setdefault(name, {"calls": 0, "received": 0, "padded": 0, "seconds": 0.0,
                                                           "kind": stats["kind"]})
@@ -599,6 +608,7 @@ def mean_window(windows: list[Json]) -> Json:
     out = {key: total[key] / n for key in ("collectives", "received", "padded", "seconds")}
     out["by_function"] = {name: {k: (v / n if k != "kind" else v) for k, v in stats.items()}
                           for name, stats in total["by_function"].items()}
+    out["by_scope"] = {key: calls / n for key, calls in total["by_scope"].items()}
     return out
 
 
@@ -621,6 +631,7 @@ def save_summary(ranks: list[Json], which: slice) -> Json:
                         "received": spread(w["received"] for w in commit_part)},
         "linear_collectives": max(kind_counts(w)["linear"] for w in per_rank),
         "tree_collectives": max(kind_counts(w)["tree"] for w in per_rank),
+        "collectives_by_scope": scope_counts(per_rank),
         "blocking_s": spread(blocking), "commit_s": spread(commit),
         "replication_s": spread(statistics.fmean(s["replication_s"] for s in r["saves"][which]) for r in ranks),
         "replication_states": sorted({str(s["replication"]) for r in ranks for s in r["saves"][which]}),
@@ -638,6 +649,7 @@ def window_summary(ranks: list[Json], key: str, seconds_key: str) -> Json:
             "padded": spread(w["padded"] for w in windows),
             "linear_collectives": max(kind_counts(w)["linear"] for w in windows),
             "tree_collectives": max(kind_counts(w)["tree"] for w in windows),
+            "collectives_by_scope": scope_counts(windows),
             "seconds": spread(r[seconds_key] for r in ranks if seconds_key in r),
             "rank0_by_function": windows[0]["by_function"]}
 
@@ -717,12 +729,18 @@ MODELLED = (("save (steady)", "save_steady"), ("recovery (intact)", "recovery_in
             ("recovery (lost)", "recovery_lost"), ("load", "load"))
 
 
-def lookup(row: Json, path: Sequence[str]) -> float | None:
+def walk(row: Json, path: Sequence[str]) -> Any:
+    """row[path[0]][path[1]]..., or None where a key is missing."""
     value: Any = row
     for key in path:
         if not isinstance(value, dict) or key not in value:
             return None
         value = value[key]
+    return value
+
+
+def lookup(row: Json, path: Sequence[str]) -> float | None:
+    value = walk(row, path)
     return float(value) if isinstance(value, (int, float)) else None
 
 
@@ -786,28 +804,41 @@ def model_constants(rows: list[Json]) -> Json:
 
 def modelled_seconds(rows: list[Json], args: argparse.Namespace, alpha: float, beta: float) -> list[Json]:
     """Collective seconds per rank at the target: counts and bytes on the line through the two largest N, in the
-    latency model (the smaller worlds may sit on the other side of a step, e.g. 2 nodes that fetch nothing)."""
-    from collective_meter import LINEAR, TREE, latency_steps
+    latency model (the smaller worlds may sit on the other side of a step, e.g. 2 nodes that fetch nothing).
+
+    Each count is per kind and scope of its group (collective_meter): a gather among one node's ranks is
+    charged g-1 steps, one among the node leaders nodes-1, one over the world N-1 (tree ones ceil(log2))."""
+    from collective_meter import latency_steps, scope_size
 
     out = []
     for tensors in sorted({r["tensors"] for r in rows}):
         mine = fitted_rows(rows, tensors)
         for label, key in MODELLED:
+            keys = sorted({k for r in mine for k in (lookup_dict(r, (key, "collectives_by_scope")) or {})})
             fitted: dict[str, float] = {}
-            for what, path in (("linear", (key, "linear_collectives")), ("tree", (key, "tree_collectives")),
-                               ("bytes", (key, "received", "max"))):
-                points = [(float(r["ranks"]), v) for r in mine if (v := lookup(r, path)) is not None]
+            paths = [(what, (key, "collectives_by_scope", what)) for what in keys]
+            for what, path in [*paths, ("linear", (key, "linear_collectives")), ("tree", (key, "tree_collectives")),
+                               ("bytes", (key, "received", "max"))]:
+                points = [(float(r["ranks"]), lookup(r, path) or 0.0) for r in mine if lookup_dict(r, (key,))]
                 fit = least_squares(points[-2:])
                 if fit is not None:
                     fitted[what] = max(0.0, fit[0] + fit[1] * args.target_ranks)
-            if len(fitted) < 3:
+            if "bytes" not in fitted:
                 continue
-            seconds = (alpha * (fitted["linear"] * latency_steps(LINEAR, args.target_ranks)
-                                + fitted["tree"] * latency_steps(TREE, args.target_ranks))
-                       + beta * fitted["bytes"])
+            steps = 0.0
+            for what in keys:  # "kind:scope"
+                kind, scope = what.split(":", 1)
+                steps += fitted[what] * latency_steps(kind, scope_size(scope, args.target_ranks, args.target_nodes))
             out.append({"tensors": tensors, "window": label, "linear_collectives": fitted["linear"],
-                        "tree_collectives": fitted["tree"], "bytes_received": fitted["bytes"], "seconds": seconds})
+                        "tree_collectives": fitted["tree"], "by_scope": {k: fitted[k] for k in keys},
+                        "latency_steps": steps, "bytes_received": fitted["bytes"],
+                        "seconds": alpha * steps + beta * fitted["bytes"]})
     return out
+
+
+def lookup_dict(row: Json, path: Sequence[str]) -> Json | None:
+    value = walk(row, path)
+    return value if isinstance(value, dict) and value else None
 
 
 # ================================================================ output
@@ -967,10 +998,13 @@ def extrapolation_text(fitted: list[Json], modelled: dict[str, list[Json]], cons
     lines.append(table("", ["T", "metric", "a", "b (per rank)", "at largest N", f"at N={args.target_ranks}",
                             "same, 2 largest N", "exponent"], fit_lines))
     lines.append(
-        "  latency model per collective call: alpha*steps + beta*bytes received; steps = N-1 for linear "
+        "  latency model per collective call: alpha*steps + beta*bytes received; steps = n-1 for linear "
         "collectives (all_gather*, gather*, scatter*, all_to_all*, reduce_scatter*: ring or root), "
-        "ceil(log2 N) for tree ones (all_reduce, broadcast*, reduce, barrier, new_group); counts per kind and "
-        "bytes (max over ranks) are lines through the two largest N, at the target N")
+        "ceil(log2 n) for tree ones (all_reduce, broadcast*, reduce, barrier, new_group), n the ranks of the "
+        "call's group at the target: N for the world, g = N/nodes for one node's ranks, nodes for the node "
+        "leaders (one rank per node); counts per kind and group (max over ranks, summed: a rank 0 that is in "
+        "every group pays every step) and bytes (max over ranks) are lines through the two largest N, at the "
+        "target N")
     if constants:
         lines.append(f"  gloo constants measured here (median over worlds {constants['from_worlds']}): "
                      f"alpha = {constants['alpha_s'] * 1e6:.1f} us/step (4-byte all_reduce / ceil(log2 N)), "
@@ -982,10 +1016,13 @@ def extrapolation_text(fitted: list[Json], modelled: dict[str, list[Json]], cons
     for name, entries in modelled.items():
         for e in entries:
             model_lines.append([name, str(e["tensors"]), e["window"], count(round(e["linear_collectives"], 1)),
-                                count(round(e["tree_collectives"], 1)), human_bytes(e["bytes_received"]),
-                                number(e["seconds"], 3)])
-    lines.append(table("", ["constants", "T", "window", "linear coll", "tree coll", "bytes recv/rank",
-                            "collective s/rank"], model_lines))
+                                count(round(e["tree_collectives"], 1)), count(round(e["latency_steps"], 1)),
+                                human_bytes(e["bytes_received"]), number(e["seconds"], 3)])
+    lines.append(table("", ["constants", "T", "window", "linear coll", "tree coll", "latency steps",
+                            "bytes recv/rank", "collective s/rank"], model_lines))
+    scoped = sorted({(e["tensors"], e["window"], ", ".join(f"{k} {count(round(v, 1))}" for k, v in e["by_scope"].items()))
+                     for entries in modelled.values() for e in entries})
+    lines += [f"  calls per kind:group at the target, T={t} {window}: {text}" for t, window, text in scoped]
     return lines
 
 

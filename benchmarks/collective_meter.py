@@ -13,10 +13,16 @@ What "received" means, per call, for the calling rank (group = the call's group)
 - tensor collectives: the bytes of the tensors other ranks' data lands in: all_reduce and
   reduce_scatter the output, all_gather / gather / all_to_all the other ranks' parts,
   broadcast / scatter / reduce the tensor unless this rank is the source.
-- barrier, monitored_barrier, new_group, new_subgroups: 0 bytes (counted as collectives:
-  new_group synchronises every rank of the world through the store).
+- barrier, monitored_barrier, new_group, new_subgroups: 0 bytes (counted as collectives: every
+  rank of the world calls new_group for every group; with TORCH_DIST_INIT_BARRIER=1 each call is
+  a barrier of the world through the store, otherwise only a group's members meet).
 Re-pickling received objects to size them costs time inside the measured call; it is
 accumulated in `overhead_seconds` so that callers can take it off their timings.
+
+Each call is also counted by its kind and the scope of its group (`by_scope`, "kind:scope"):
+"world" (every rank), "node" (ranks of one node), "across" (at most one rank per node, e.g.
+the node leaders) or "other"; nodes as the meter's node_of(rank) tells (else every subgroup is
+"other"). A latency model charges each scope the steps of its own size (latency_steps).
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ COLLECTIVE_KINDS = {
     "broadcast_object_list": TREE, "all_reduce": TREE, "broadcast": TREE, "reduce": TREE, "barrier": TREE,
     "monitored_barrier": TREE, "new_group": TREE, "new_subgroups": TREE,
 }
+# The scope of a call's group: the whole world, one node's ranks, ranks of different nodes, anything else.
+WORLD, NODE, ACROSS, OTHER = "world", "node", "across", "other"
 
 
 @dataclass
@@ -65,6 +73,7 @@ class Window:
     by_function: dict[str, CallStats] = field(default_factory=dict)
     overhead_seconds: float = 0.0
     unsized: int = 0  # received objects that could not be re-pickled to size them
+    by_scope: dict[str, int] = field(default_factory=dict)  # calls per "kind:scope"
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -74,6 +83,7 @@ class Window:
             "seconds": round(sum(s.seconds for s in self.by_function.values()), 6),
             "overhead_seconds": round(self.overhead_seconds, 6),
             "unsized": self.unsized,
+            "by_scope": dict(sorted(self.by_scope.items())),
             "by_function": {name: {"calls": s.calls, "received": s.received, "padded": s.padded or s.received,
                                    "seconds": round(s.seconds, 6), "kind": COLLECTIVE_KINDS[name]}
                             for name, s in sorted(self.by_function.items())},
@@ -106,7 +116,8 @@ def _is_source(args: dict[str, Any], key: str) -> bool:
 class CollectiveMeter:
     """Wraps torch.distributed's collectives (install) and sums what they do per open window."""
 
-    def __init__(self) -> None:
+    def __init__(self, node_of: Callable[[int], int] | None = None) -> None:
+        self.node_of = node_of  # a global rank's node, to tell a node's group from the leaders' (scope)
         self.windows: list[Window] = []
         self._open: Window | None = None
         self._local = threading.local()
@@ -150,10 +161,26 @@ class CollectiveMeter:
             stats.received += received
             stats.padded += padded
             stats.seconds += elapsed
+            key = f"{COLLECTIVE_KINDS[name]}:{self.scope(bound.arguments.get('group'))}"
+            window.by_scope[key] = window.by_scope.get(key, 0) + 1
             window.overhead_seconds += time.perf_counter() - sizing
             return result
 
         return counted
+
+    def scope(self, group: Any) -> str:
+        """WORLD, NODE, ACROSS or OTHER: which ranks the call's group holds (see the module's docstring)."""
+        if group is None or group is dist.GroupMember.WORLD:
+            return WORLD
+        ranks = dist.get_process_group_ranks(group)
+        if len(ranks) == dist.get_world_size():
+            return WORLD
+        if self.node_of is None:
+            return OTHER
+        nodes = [self.node_of(rank) for rank in ranks]
+        if len(set(nodes)) == 1:
+            return NODE
+        return ACROSS if len(set(nodes)) == len(nodes) else OTHER
 
     # ---------------------------------------------------------------- windows
 
@@ -227,8 +254,13 @@ class CollectiveMeter:
         return 0
 
 
+def scope_size(scope: str, ranks: int, nodes: int) -> int:
+    """The ranks a group of this scope holds in a job of ranks on nodes: g = ranks / nodes, nodes, or all."""
+    return {NODE: max(1, ranks // max(1, nodes)), ACROSS: nodes}.get(scope, ranks)
+
+
 def latency_steps(kind: str, world_size: int) -> float:
-    """Steps of the latency model: N-1 for linear collectives, ceil(log2 N) for tree ones (at least 1)."""
+    """Steps of the latency model in a group of world_size: N-1 for linear collectives, ceil(log2 N) for tree ones."""
     if world_size <= 1:
         return 0.0
     if kind == LINEAR:

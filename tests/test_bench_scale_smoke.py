@@ -86,15 +86,21 @@ def test_bench_scale_measures_saves_recoveries_and_a_bit_exact_load(shm_dir: Pat
 def test_what_a_rank_receives_per_save_does_not_grow_with_the_ranks(shm_dir: Path, tmp_path: Path):
     """4 and 8 ranks on 2 and 4 nodes (k=2, more nodes than replicas), counted per rank by the harness: per steady
     save a rank that is neither the coordinator nor a node leader receives the same few fixed-size all-reduces at
-    both sizes; a leader also receives the commit record (~70-100 B more per saved object); rank 0 gets every rank's
-    object record, not its write records: O(N) bytes, not O(N*T) (64 tensors: ~5 KB more per rank before)."""
+    both sizes; a leader also receives the commit record (~70-100 B more per saved object) and its node's records;
+    rank 0 gets every rank's object record, not its write records: O(N) bytes, not O(N*T) (64 tensors: ~5 KB more
+    per rank before), through the node leaders: no gather over every rank."""
     report = tmp_path / "flat.json"
     command = [sys.executable, "benchmarks/bench_scale.py", "--ranks", "4,8", "--ranks-per-node", "2", "--tensors",
                "64", "--saves", "2", "--timeout", "150", "--root", str(shm_dir), "--json", str(report)]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=170)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-6000:]
+    data = json.loads(report.read_text())
+    for row in data["rows"]:  # the records reach rank 0 in two levels: node groups, then the node leaders
+        scopes = row["save_steady"]["collectives_by_scope"]
+        assert scopes.get("linear:node") == 1 and scopes.get("linear:across") == 1, scopes
+        assert "linear:world" not in scopes, scopes
     received: dict[int, list[int]] = {}
-    for point in json.loads(report.read_text())["raw"]:
+    for point in data["raw"]:
         steady = [r["saves"][1] for r in sorted(point["save"], key=lambda r: r["rank"])]
         received[point["ranks"]] = [s["blocking"]["received"] + s["commit"]["received"] for s in steady]
     plain = {n: {b for r, b in enumerate(per_rank) if r % 2 == 1} for n, per_rank in received.items()}

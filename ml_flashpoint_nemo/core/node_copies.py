@@ -13,7 +13,13 @@ import torch.distributed as dist
 
 from ml_flashpoint_nemo.core.format import FILES_KEY, CommitRecord
 from ml_flashpoint_nemo.core.layout import COMMIT_NAME, CheckpointLayout
-from ml_flashpoint_nemo.core.topology import NodeTopology, discover_nodes, problems_of_every_rank, reduced_ints
+from ml_flashpoint_nemo.core.topology import (
+    NodeGather,
+    NodeTopology,
+    discover_nodes,
+    problems_of_every_rank,
+    reduced_ints,
+)
 from ml_flashpoint_nemo.core.version_files import reusable_version_file, version_copy, write_version_copy
 from ml_flashpoint_nemo.core.versions import read_commit
 from ml_flashpoint_nemo.errors import FlashpointError
@@ -35,15 +41,18 @@ class NodeCopies:
     in a second broadcast that every leader joins.
     """
 
-    def __init__(self, topology: NodeTopology, group: dist.ProcessGroup | None) -> None:
+    def __init__(self, topology: NodeTopology, group: dist.ProcessGroup | None,
+                 gather: NodeGather | None = None) -> None:
         self.topology = topology
         self.group = group  # gloo group of the node leaders; None on a single node
+        self.gather = gather  # the two-level gather of the ranks' reports to rank 0; None: a flat one
         self._sent: dict[str, tuple[int, Any]] = {}  # rank 0: file name -> (newest step copied with, size and CRC)
 
     @classmethod
     def discover(cls, base_dir: Path, previous: "NodeCopies | None",
                  failure_domain: Callable[[], str | None] | None = None) -> "NodeCopies":
-        """Collective on every rank; the leaders' group is kept while the leaders stay the same.
+        """Collective on every rank; the leaders' group is kept while the leaders stay the same, and
+        the two-level gather's node groups (NodeGather, sharing the leaders' group) while the nodes do.
 
         failure_domain: where each rank reads its node's failure domain (core.topology.discover_nodes).
         """
@@ -51,8 +60,13 @@ class NodeCopies:
         if topology.node_count == 1:
             return cls(topology, None)
         if previous is not None and previous.group is not None and previous.topology.leaders == topology.leaders:
-            return cls(topology, previous.group)
-        return cls(topology, dist.new_group(topology.leaders, backend="gloo"))
+            group = previous.group
+        else:
+            group = dist.new_group(topology.leaders, backend="gloo")
+        if (previous is not None and previous.group is group
+                and previous.topology.node_of_rank == topology.node_of_rank):
+            return cls(topology, group, previous.gather)
+        return cls(topology, group, NodeGather.make(topology, group))
 
     def copy_version_to_every_node(self, layout: CheckpointLayout, step: int) -> None:
         """After the coordinator committed: the other nodes' leaders write the version's files; errors reach all."""

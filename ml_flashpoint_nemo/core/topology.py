@@ -232,7 +232,8 @@ def _every_problem(problem: str | None) -> list[str]:
 _LENGTH_BYTES = 8  # each gathered buffer starts with its payload's length
 
 
-def gathered_on_coordinator(payload: Any, problem: str | None) -> tuple[list[str], list[Any] | None]:
+def gathered_on_coordinator(payload: Any, problem: str | None,
+                            through: "NodeGather | None" = None) -> tuple[list[str], list[Any] | None]:
     """Collective: (every rank's problem, every rank's payload on rank 0 and None elsewhere).
 
     What a save's finalize needs at any job size: only the coordinator receives O(N) payloads;
@@ -241,22 +242,24 @@ def gathered_on_coordinator(payload: Any, problem: str | None) -> tuple[list[str
     rank has a problem (or cannot pickle its payload) nothing is gathered and every rank gets
     every problem instead, so that all of them raise alike. Rank 0 failing to receive or decode
     (out of memory, say) is rank 0's problem alone: its payloads are then None and the caller
-    reports it to every rank with its next collective.
+    reports it to every rank with its next collective. through: the node groups of a two-level
+    gather (NodeGather, made once per topology), or None for one flat gather over every rank.
     """
     data, problem = _pickled(payload, problem)
     any_problem, longest = reduced_ints([int(problem is not None), len(data)])
     if any_problem:
         return _every_problem(problem), None
-    return [], _gathered_frames(data, longest)
+    return [], _gathered_frames(data, longest, through)
 
 
-def gathered_short_or_full(short: Any, full: Any, problem: str | None, *,
-                           coordinator_needs_full: bool) -> tuple[list[str], list[Any] | None, bool]:
+def gathered_short_or_full(short: Any, full: Any, problem: str | None, *, coordinator_needs_full: bool,
+                           through: "NodeGather | None" = None) -> tuple[list[str], list[Any] | None, bool]:
     """Collective: gathered_on_coordinator of every rank's short payload, or of its full one if rank 0 asks.
 
     Only rank 0's coordinator_needs_full counts; the third value (rank 0 asked for the full
     payloads) is the same on every rank. Rank 0's wish rides in the all-reduce the gather runs anyway (24 bytes instead of
     16), so the short case costs no extra collective; the full case costs one more all-reduce.
+    through: as for gathered_on_coordinator.
     """
     data, problem = _pickled(short, problem)
     wants_full = int(dist.get_rank() == 0 and coordinator_needs_full)
@@ -266,7 +269,7 @@ def gathered_short_or_full(short: Any, full: Any, problem: str | None, *,
         any_problem, longest = reduced_ints([int(problem is not None), len(data)])
     if any_problem:
         return _every_problem(problem), None, bool(use_full)
-    return [], _gathered_frames(data, longest), bool(use_full)
+    return [], _gathered_frames(data, longest, through), bool(use_full)
 
 
 def _pickled(payload: Any, problem: str | None) -> tuple[bytes, str | None]:
@@ -279,22 +282,33 @@ def _pickled(payload: Any, problem: str | None) -> tuple[bytes, str | None]:
         return b"", f"rank {dist.get_rank()}: cannot pickle its report: {type(exc).__name__}: {exc}"
 
 
-def _gathered_frames(data: bytes, longest: int) -> list[Any] | None:
+def _gathered_frames(data: bytes, longest: int, through: "NodeGather | None" = None) -> list[Any] | None:
     """Collective, once no rank has a problem: every rank's payload on rank 0, None elsewhere or if it failed."""
     framed = bytearray(_LENGTH_BYTES + longest)  # equal sizes on every rank, as gather requires
     framed[:_LENGTH_BYTES] = len(data).to_bytes(_LENGTH_BYTES, "little")
     framed[_LENGTH_BYTES:_LENGTH_BYTES + len(data)] = data
+    if through is not None:
+        return through.frames(framed)
+    return _flat_frames(framed)
+
+
+def _receive_buffer(rows: int, width: int, device: torch.device | None = None) -> torch.Tensor | None:
+    """rows x width bytes to gather into, or None (logged) if they cannot be had: told to every rank next."""
+    try:
+        return torch.empty((rows, width), dtype=torch.uint8, device=device)
+    except Exception:  # noqa: BLE001 - every caller shares the outcome in an all-reduce before the gather
+        logger.exception("rank %d cannot hold %d x %d bytes of the ranks' reports", dist.get_rank(), rows, width)
+        return None
+
+
+def _flat_frames(framed: bytearray) -> list[Any] | None:
+    """One gather of every rank's frame to rank 0 over the whole world (N - 1 steps)."""
     device = _collective_device()
     mine = torch.frombuffer(framed, dtype=torch.uint8)
     if device is not None:
         mine = mine.to(device)
-    buffer = None
-    if dist.get_rank() == 0:
-        try:  # one flat buffer, so that a failure is one place
-            buffer = torch.empty((dist.get_world_size(), mine.numel()), dtype=torch.uint8, device=mine.device)
-        except Exception:  # noqa: BLE001 - told to every rank by the all-reduce below, before the gather
-            logger.exception("rank 0 cannot hold every rank's report (%d x %d bytes)", dist.get_world_size(),
-                             mine.numel())
+    # One flat buffer, so that a failure is one place.
+    buffer = _receive_buffer(dist.get_world_size(), mine.numel(), mine.device) if dist.get_rank() == 0 else None
     # An allocation can fail (a CUDA one above all): every rank learns it before it would wait in the gather.
     (cannot_receive,) = reduced_ints([int(dist.get_rank() == 0 and buffer is None)])
     if cannot_receive:
@@ -302,15 +316,98 @@ def _gathered_frames(data: bytes, longest: int) -> list[Any] | None:
     dist.gather(mine, list(buffer.unbind(0)) if buffer is not None else None, dst=0)
     if buffer is None:
         return None
+    return _decoded(bytes(buffer.cpu().numpy()), [(rank, rank) for rank in range(dist.get_world_size())],
+                    mine.numel())
+
+
+def _decoded(raw: bytes, rows: list[tuple[int, int]], width: int) -> list[Any] | None:
+    """Rank 0: the payload of each (rank, row) of raw (rows of width bytes), in rank order; None if one is bad."""
+    view = memoryview(raw)
+    payloads: list[Any] = [None] * len(rows)
     try:
-        payloads = []
-        for raw in (bytes(row) for row in buffer.cpu().numpy()):
-            length = int.from_bytes(raw[:_LENGTH_BYTES], "little")
-            payloads.append(pickle.loads(raw[_LENGTH_BYTES:_LENGTH_BYTES + length]))
+        for rank, row in rows:
+            frame = view[row * width:(row + 1) * width]
+            length = int.from_bytes(frame[:_LENGTH_BYTES], "little")
+            if length > width - _LENGTH_BYTES:
+                raise ValueError(f"rank {rank}'s frame says {length} bytes in a frame of {width}")
+            payloads[rank] = pickle.loads(frame[_LENGTH_BYTES:_LENGTH_BYTES + length])
         return payloads
     except Exception:  # noqa: BLE001 - rank 0's alone; the caller reports it with its next collective
         logger.exception("rank 0 cannot decode the reports it gathered")
         return None
+
+
+class NodeGather:
+    """The gloo groups of a two-level gather to rank 0: each node's ranks to their leader, the leaders to rank 0.
+
+    (g - 1) + (nodes - 1) steps instead of N - 1. Made once per topology, collectively (make),
+    and kept while the nodes stay the same. CPU tensors whatever the world's backend: the
+    payloads are pickles, and gloo needs no device memory nor communicators of its own.
+    """
+
+    def __init__(self, topology: NodeTopology, node_group: Any, leaders_group: Any) -> None:
+        self.topology = topology
+        self.node_group = node_group  # this node's ranks; None on a node of one rank
+        self.leaders_group = leaders_group  # every node's leader (rank 0 is node 0's); no group elsewhere
+        self.widest = max(len(topology.ranks_of_node(n)) for n in range(topology.node_count))
+
+    @classmethod
+    def make(cls, topology: NodeTopology, leaders_group: Any = None) -> "NodeGather | None":
+        """Collective on every rank; None where a flat gather takes as few steps (one node, one rank per node).
+
+        Every rank calls new_group for each node of several ranks, in node order (torch's
+        rule, without store traffic on the ranks outside a group), then for the leaders unless
+        leaders_group (a gloo group of topology.leaders, e.g. NodeCopies') is given.
+        """
+        if topology.node_count == 1 or topology.node_count == len(topology.node_of_rank):
+            return None
+        mine = None
+        for node in range(topology.node_count):
+            ranks = topology.ranks_of_node(node)
+            if len(ranks) > 1:
+                group = dist.new_group(ranks, backend="gloo")
+                if node == topology.node:
+                    mine = group
+        if leaders_group is None:
+            leaders_group = dist.new_group(topology.leaders, backend="gloo")
+        return cls(topology, mine, leaders_group)
+
+    def frames(self, framed: bytearray) -> list[Any] | None:
+        """Collective: every rank's frame to rank 0 (a leader always: the lowest rank of node 0), decoded there.
+
+        Every leader first takes a buffer for its node's frames (rank 0 one for every node's):
+        rank 0 failing gives None as the flat gather does; another leader failing makes every
+        rank take the flat gather instead, which needs rank 0's buffer alone.
+        """
+        top, width = self.topology, len(framed)
+        mine = torch.frombuffer(framed, dtype=torch.uint8)
+        block = whole = None
+        if top.is_leader:
+            block = _receive_buffer(self.widest, width)  # this node's frames, rows in its ranks' order
+            if top.rank == 0 and block is not None:
+                whole = _receive_buffer(top.node_count, self.widest * width)  # a node's block per row
+        # One 8-byte all-reduce, as the flat gather's: 2 = rank 0 cannot receive, 1 = another leader cannot.
+        (cannot,) = reduced_ints([2 if top.rank == 0 and whole is None else
+                                  int(top.is_leader and block is None)])
+        if cannot == 2:
+            return None
+        if cannot == 1:
+            return _flat_frames(framed)
+        ranks = top.ranks_of_node(top.node)
+        if self.node_group is not None:
+            dist.gather(mine, list(block[:len(ranks)].unbind(0)) if block is not None else None, dst=ranks[0],
+                        group=self.node_group)
+        elif block is not None:
+            block[0].copy_(mine)
+        if block is None:  # not a leader: its frame is on its leader now
+            return None
+        dist.gather(block.view(-1), list(whole.unbind(0)) if whole is not None else None, dst=0,
+                    group=self.leaders_group)
+        if whole is None:
+            return None
+        placed = [(rank, node * self.widest + i) for node in range(top.node_count)
+                  for i, rank in enumerate(top.ranks_of_node(node))]
+        return _decoded(bytes(whole.numpy()), placed, width)
 
 
 def raise_if_any_rank_failed(error: BaseException | None, what: str) -> None:

@@ -73,6 +73,7 @@ from ml_flashpoint_nemo.core.sync_manager import (
     wait_for_manager,
 )
 from ml_flashpoint_nemo.core.topology import (
+    NodeGather,
     NodeTopology,
     gathered_on_coordinator,
     gathered_short_or_full,
@@ -323,7 +324,8 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         global_metadata = self._cached_metadata  # the coordinator's, from the planning save
 
         def finalize() -> None:
-            _finalize_save(writer, global_metadata, reports, items, reused_plan=reuse_plan, plan=plan)
+            _finalize_save(writer, global_metadata, reports, items, reused_plan=reuse_plan, plan=plan,
+                           through=nodes.gather)
             nodes.copy_version_to_every_node(writer.layout, writer.step)
             replication.replicate(writer.step)  # in the background, never blocks training
 
@@ -489,7 +491,7 @@ def _describe(value: Any) -> tuple:
 
 
 def _finalize_save(writer: _StagingWriter, global_metadata: Metadata | None, reports: WorkerReports,
-                   items: CoordinatorItems, *, reused_plan: bool, plan: int) -> None:
+                   items: CoordinatorItems, *, reused_plan: bool, plan: int, through: NodeGather | None = None) -> None:
     """Every rank: place its object; coordinator: commit. Any rank's failure is raised on every rank.
 
     The write records go to the coordinator alone: every other rank receives small all-reduces,
@@ -497,7 +499,7 @@ def _finalize_save(writer: _StagingWriter, global_metadata: Metadata | None, rep
     record alone (rank 0 receives O(N), not O(N*T)) unless rank 0 lacks the plan's items, which it
     says in the gather's own all-reduce. Saves finalize in order, so one scheduled before the save
     that made the plan finalized still reports compactly; one queued behind a failed save reports
-    in full, and rank 0 keeps the items for the next.
+    in full, and rank 0 keeps the items for the next. through: the nodes' two-level gather (None: flat).
     """
     error: str | None = None
     results: list[WriteResult] = []
@@ -511,9 +513,9 @@ def _finalize_save(writer: _StagingWriter, global_metadata: Metadata | None, rep
         error = f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"
     if reused_plan:
         errors, gathered, full = gathered_short_or_full(compact_report(results), results, error,
-                                                        coordinator_needs_full=not items.holds(plan))
+                                                        coordinator_needs_full=not items.holds(plan), through=through)
     else:
-        (errors, gathered), full = gathered_on_coordinator(results, error), True
+        (errors, gathered), full = gathered_on_coordinator(results, error, through), True
     commit_error: str | None = None
     if not errors and dist.get_rank() == 0:  # the coordinator, with every rank's records (None: it could not)
         try:

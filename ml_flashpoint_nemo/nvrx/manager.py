@@ -399,7 +399,8 @@ class _Finalize:
                 problem = problem or f"rank {manager.rank}: {type(exc).__name__}: {exc}"
         elif problem is None:
             problem = f"rank {manager.rank}: finalize of iteration {iteration} ran twice or without a staged object"
-        errors, records = gathered_on_coordinator(record, problem)
+        errors, records = gathered_on_coordinator(record, problem,
+                                                  manager._nodes.gather if manager._nodes is not None else None)
         commit_problem = None
         if not errors and dist.get_rank() == 0:
             try:

@@ -151,8 +151,67 @@ def short_or_full_reports(p: dict[str, Any]) -> None:
     print(f"PROBLEM full={sent_full} gathered={gathered} errors={errors}", flush=True)
 
 
+class _NoMemory:
+    """torch as core.topology sees it, but torch.empty fails: a rank that cannot take a receive buffer."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    @staticmethod
+    def empty(*args: Any, **kwargs: Any) -> Any:
+        raise MemoryError("no memory left for the reports (injected)")
+
+
+def two_level_gather(p: dict[str, Any]) -> None:
+    """Rank r on simulated node p["nodes"][r]: the node groups' gather of every rank's report to rank 0.
+
+    Prints each case's outcome and the sizes of the groups this rank gathered in.
+    """
+    import torch
+
+    from ml_flashpoint_nemo.core import topology
+    from ml_flashpoint_nemo.core.node_copies import NodeCopies
+
+    rank = dist.get_rank()
+    base = Path(p["root"]) / f"node-{p['nodes'][rank]}"
+    base.mkdir(parents=True, exist_ok=True)
+    copies = NodeCopies.discover(base, None)
+    print(f"TWO-LEVEL {copies.gather is not None} LEADERS {copies.topology.leaders}", flush=True)
+    again = NodeCopies.discover(base, copies)  # the same nodes: the groups are kept, none made
+    print(f"KEPT {again.gather is copies.gather and again.group is copies.group}", flush=True)
+    sizes: list[int] = []
+    gather = dist.gather
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        sizes.append(dist.get_world_size(kwargs.get("group")))
+        return gather(*args, **kwargs)
+
+    dist.gather = counted
+    payload = ("report", rank, "x" * (37 * rank))  # frames of unequal lengths
+    errors, gathered = topology.gathered_on_coordinator(payload, None, again.gather)
+    print(f"GATHERED {gathered} ERRORS {errors} GROUPS {sizes}", flush=True)
+    errors, gathered = topology.gathered_on_coordinator(payload, "rank 3: disk full" if rank == 3 else None,
+                                                        again.gather)
+    print(f"PROBLEM {gathered} ERRORS {errors}", flush=True)
+    errors, gathered, full = topology.gathered_short_or_full(("short", rank), ["full", rank], None,
+                                                             coordinator_needs_full=rank == 0, through=again.gather)
+    print(f"FULL {full} {gathered} ERRORS {errors}", flush=True)
+    for who, case in ((0, "RANK0-NO-MEMORY"), (copies.topology.leaders[1], "LEADER-NO-MEMORY")):
+        del sizes[:]
+        topology.torch = _NoMemory(torch) if rank == who else torch  # type: ignore[assignment]
+        try:
+            errors, gathered = topology.gathered_on_coordinator(payload, None, again.gather)
+        finally:
+            topology.torch = torch
+        print(f"{case} {gathered} ERRORS {errors} GROUPS {sizes}", flush=True)
+    dist.barrier()  # nobody was left waiting in a collective
+
+
 if __name__ == "__main__":
     scenario_main({f.__name__: f for f in (keep_after_a_local_failure, agree_on_secret,
                                            choose_after_a_listing_failure, choose_after_an_inventory_failure,
                                            choose_after_an_unexpected_check_failure, problems_reach_every_rank,
-                                           short_or_full_reports)})
+                                           short_or_full_reports, two_level_gather)})
