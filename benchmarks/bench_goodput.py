@@ -295,7 +295,10 @@ def run_rank(args: argparse.Namespace) -> None:
     spans.wrap(trainer.strategy, "optimizer_sharded_state_dict", "optimizer_sharded_state_dict")
     spans.wrap(trainer.strategy, "barrier", "barrier")
     spans.wrap(dist_checkpointing, "save", "dist_checkpointing.save")
-    spans.wrap(flashpoint_io, "check_room_on_every_rank", "check_room_on_every_rank")
+    import ml_flashpoint_nemo.megatron.strategies as flashpoint_strategies
+
+    spans.wrap(flashpoint_strategies, "check_room_on_every_rank", "check_room_on_every_rank")  # the first save's
+    spans.wrap(flashpoint_strategies.FlashpointSaveStrategy, "_start_agreed", "start all-reduce")
     import nemo.collections.llm.modelopt.model_utils as modelopt_utils
 
     spans.wrap(modelopt_utils, "save_modelopt_state", "save_modelopt_state")

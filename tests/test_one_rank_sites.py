@@ -49,6 +49,7 @@ MEGATRON_CASES = [
     "manager_start_when_one_rank_has_a_bad_timeout",
     "load_when_one_nodes_copy_is_damaged",
     "nemo_save_when_one_version_dir_cannot_be_made",
+    "nemo_steady_saves_when_one_rank_cannot_start",
     "nemo_finalize_when_one_rank_cannot_count_the_bytes",
     "resume_when_one_rank_cannot_read_the_durable_checkpoint",
     "resume_when_the_ranks_see_different_durable_checkpoints",
@@ -150,6 +151,13 @@ def test_load_fails_every_rank_when_one_nodes_copy_is_damaged(megatron):
 def test_nemo_save_is_skipped_everywhere_when_one_rank_cannot_make_its_version_dir(megatron):
     every_rank(megatron["nemo_save_when_one_version_dir_cannot_be_made"], "OUTCOMES 1:ok 2:failed 3:ok",
                "cannot create the version directory", "FileExistsError", "LOADED 3")
+
+
+def test_nemo_steady_saves_fold_the_room_check_and_fail_every_rank_when_one_cannot_start(megatron):
+    every_rank(megatron["nemo_steady_saves_when_one_rank_cannot_start"], "OUTCOMES 1:ok 2:failed 4:ok 5:ok",
+               "cannot check free space", "COMMON.PT OF 2 False",
+               "SAVE 3 FAILED FlashpointError:", "cannot start", "No space left", "COLLECTIVES ['all_reduce']",
+               "LOADED 5")
 
 
 def test_nemo_finalize_reports_the_save_everywhere_when_one_rank_cannot_count_its_bytes(megatron):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import NoReturn
 
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.topology import any_rank, problems_of_every_rank
@@ -72,21 +73,25 @@ def version_dir_problem(version_dir: str | os.PathLike[str]) -> str | None:
     return None
 
 
-def check_room_on_every_rank(base_dir: str | os.PathLike[str], *,
-                             version_dir: str | os.PathLike[str] | None = None) -> None:
-    """Collective: raise OutOfSpaceError on every rank if any rank's node lacks room for the next save.
+NO_PROBLEM, DIR_PROBLEM, ROOM_PROBLEM = 0, 1, 2  # a rank's start problem, ordered: MAX over ranks says which is raised
 
-    Call it right before megatron.core.dist_checkpointing.save of a RAM version (the NeMo
-    checkpoint IO does); the previous versions stay intact and training can go on. With
-    version_dir, each rank also creates that directory (Megatron requires it on rank 0); a rank
-    that cannot makes every rank raise BaseDirError instead.
+
+def start_problem(base_dir: str | os.PathLike[str],
+                  version_dir: str | os.PathLike[str] | None = None) -> tuple[int, str | None]:
+    """This rank's room problem (ROOM_PROBLEM), else its version directory's (DIR_PROBLEM), else (NO_PROBLEM, None).
+
+    Local and never raises: the caller shares it with every rank in one all-reduce.
     """
     room = room_problem(base_dir)
-    made = version_dir_problem(version_dir) if room is None and version_dir is not None else None
-    failed = problems_of_every_rank(room or made)
-    if not failed:
-        return
-    if not any_rank(room is not None):  # every rank is here: the problems above are every rank's
+    if room is not None:
+        return ROOM_PROBLEM, room
+    made = version_dir_problem(version_dir) if version_dir is not None else None
+    return (DIR_PROBLEM, made) if made is not None else (NO_PROBLEM, None)
+
+
+def raise_start_problems(highest: int, failed: list[str]) -> NoReturn:
+    """Raise, on every rank alike, the error of every rank's start problems; highest: the largest kind of any rank."""
+    if highest < ROOM_PROBLEM:
         raise BaseDirError("flashpoint save skipped on every rank: " + "; ".join(failed)
                            + ". Make the RAM checkpoint directory writable on that node.")
     raise OutOfSpaceError(
@@ -94,3 +99,21 @@ def check_room_on_every_rank(base_dir: str | os.PathLike[str], *,
         + ". If a tmpfs is full: free memory on that node (other jobs' files in /dev/shm?), lower `keep`, "
         "or give the tmpfs more room."
     )
+
+
+def check_room_on_every_rank(base_dir: str | os.PathLike[str], *,
+                             version_dir: str | os.PathLike[str] | None = None) -> None:
+    """Collective: raise OutOfSpaceError on every rank if any rank's node lacks room for the next save.
+
+    Call it right before megatron.core.dist_checkpointing.save of a RAM version (the NeMo
+    checkpoint IO does on a save that cannot fold it into the strategy's all-reduce); the
+    previous versions stay intact and training can go on. With version_dir, each rank also
+    creates that directory (Megatron requires it on rank 0); a rank that cannot makes every
+    rank raise BaseDirError instead.
+    """
+    kind, problem = start_problem(base_dir, version_dir)
+    failed = problems_of_every_rank(problem)
+    if not failed:
+        return
+    # every rank is here: the problems above are every rank's
+    raise_start_problems(ROOM_PROBLEM if any_rank(kind == ROOM_PROBLEM) else DIR_PROBLEM, failed)

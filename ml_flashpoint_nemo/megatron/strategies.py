@@ -65,6 +65,7 @@ from ml_flashpoint_nemo.core.layout import CheckpointLayout
 from ml_flashpoint_nemo.core.node_copies import NodeCopies
 from ml_flashpoint_nemo.core.save_worker import seal_and_report
 from ml_flashpoint_nemo.core.saver import CheckpointSaver, StagedObject
+from ml_flashpoint_nemo.core.space import NO_PROBLEM, check_room_on_every_rank, raise_start_problems, start_problem
 from ml_flashpoint_nemo.core.sync_manager import (
     SyncManagerFuture,
     shutdown_manager,
@@ -77,10 +78,10 @@ from ml_flashpoint_nemo.core.topology import (
     NodeTopology,
     gathered_on_coordinator,
     gathered_short_or_full,
-    highest_of_every_rank,
     node_identity,
     problems_of_every_rank,
     raise_if_any_rank_failed,
+    reduced_ints,
 )
 from ml_flashpoint_nemo.core.tuning import default_copy_threads
 from ml_flashpoint_nemo.core.version_files import check_version_files
@@ -93,7 +94,13 @@ from ml_flashpoint_nemo.dcp.writer import (
     resolve_write_items,
     write_results,
 )
-from ml_flashpoint_nemo.errors import CorruptCheckpointError, FlashpointError, ManagerStartError
+from ml_flashpoint_nemo.errors import (
+    BaseDirError,
+    CorruptCheckpointError,
+    FlashpointError,
+    ManagerStartError,
+    OutOfSpaceError,
+)
 from ml_flashpoint_nemo.megatron.coordinator_items import CoordinatorItems, compact_report
 from ml_flashpoint_nemo.megatron.worker_reports import WorkerReports
 from ml_flashpoint_nemo.megatron.write_recipe import WriteRecipe
@@ -105,7 +112,7 @@ logger = logging.getLogger(__name__)
 
 BACKEND = "ml_flashpoint"
 VERSION = 1
-_SAVE_CANNOT_START = 2  # above "the structure changed" (1) in the all-reduce of every save
+_SAVE_CANNOT_START = 2  # above "the structure changed" (1) in the first all-reduce of every save
 # A plan whose values keep failing their recipe (a value made contiguous by Megatron's conversion every
 # save, say) stops learning new ones: each would cost a replay on the learning save and be dropped again.
 _RECIPES_BEFORE_GIVING_UP = 2
@@ -236,16 +243,60 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         self.recipe_saves = 0  # saves whose items came from the recipe (the rest went through DCP's planner)
         self._coordinator_items = CoordinatorItems()  # the plan number; on rank 0, every rank's items of a plan
         self._nodes: NodeCopies | None = None
+        self._start_pending = False  # save_if_room let save() run; this save's first all-reduce has not run yet
+        self._refusal: OutOfSpaceError | BaseDirError | None = None  # the room problem _start_agreed raised
+        self._replication_reduced: tuple[list[int], int | None] | None = None  # votes reduced by _start_agreed
         self._close_lock = threading.Lock()
         self._base_dirs: set[Path] = set()  # whose buffer pools this strategy's saves opened in this process
+
+    def save_if_room(self, save: Callable[[], Any], base_dir: str | os.PathLike[str],
+                     version_dir: str | os.PathLike[str], *,
+                     steady: bool) -> tuple[Any, OutOfSpaceError | BaseDirError | None]:
+        """Collective: (save(), None) if every rank's node has room for the version and made version_dir, else
+        (None, the OutOfSpaceError or BaseDirError every rank got) without writing anything.
+
+        save() is Megatron's dist_checkpointing.save with this strategy. steady: Megatron's save runs
+        no collective before this strategy's async_save (no integrity validation; with a fully
+        parallel wrapper, its distribution cached). Then, after this strategy's first save, the
+        check rides the save's first all-reduce (with the structure check and replication's): a
+        rank with a problem joins that all-reduce from here instead of calling save() (which writes
+        common.pt on rank 0), and so does a rank whose save() raises before reaching it. Otherwise
+        the check costs an all-reduce of its own first.
+        """
+        if not (steady and self._reports is not None):
+            try:
+                check_room_on_every_rank(base_dir, version_dir=version_dir)
+            except (OutOfSpaceError, BaseDirError) as exc:
+                return None, exc
+            return save(), None
+        kind, problem = start_problem(base_dir, version_dir)
+        self._refusal = None
+        try:
+            if problem is not None:
+                self._start_agreed(_SAVE_CANNOT_START, problem, kind, version_dir)
+            self._start_pending = True
+            try:
+                return save(), None
+            except Exception as exc:
+                if not self._start_pending:
+                    raise  # after the agreement: raised on every rank by whatever raised it
+                self._start_agreed(_SAVE_CANNOT_START, f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}",
+                                   NO_PROBLEM, version_dir)
+                raise AssertionError("_start_agreed raises when a rank cannot start") from exc
+        except (OutOfSpaceError, BaseDirError) as exc:
+            if exc is not self._refusal:
+                raise
+            return None, exc
+        finally:
+            self._start_pending, self._refusal = False, None
 
     def _structure_unchanged_on_every_rank(self, sharded_state_dict: ShardedStateDict, writer: "_StagingWriter | str",
                                            checkpoint_dir: str | Path) -> bool:
         """True when no rank's keys, shapes, dtypes, sharding or base directory changed since the last save.
 
-        Checked every save (a hash per rank and one small all-reduce); only then is the last
-        save's plan reused, which skips the planning collectives. writer is this rank's writer, or
-        why it could not be made: the same all-reduce carries that, so that every rank raises.
+        Checked every save (a hash per rank in the save's first all-reduce, see _start_agreed); only
+        then is the last save's plan reused, which skips the planning collectives. writer is this
+        rank's writer, or why it could not be made: the same all-reduce carries that, so that every rank raises.
         """
         problem: str | None = None
         if isinstance(writer, str):
@@ -257,17 +308,33 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
             except Exception as exc:  # noqa: BLE001 - shared with every rank below
                 problem = f"rank {dist.get_rank()}: describing the state failed: {type(exc).__name__}: {exc}"
         if problem is not None:
-            self._cached_plans = None  # whatever this save leaves, the next one plans afresh
-            flag = _SAVE_CANNOT_START
-        else:
-            changed = self._cached_plans is None or signature != self._signature
-            self._signature = signature
-            flag = int(changed)
-        highest = highest_of_every_rank(flag)
-        if highest < _SAVE_CANNOT_START:
-            return highest == 0
+            return self._start_agreed(_SAVE_CANNOT_START, problem, NO_PROBLEM, checkpoint_dir)
+        changed = self._cached_plans is None or signature != self._signature
+        self._signature = signature
+        return self._start_agreed(int(changed), None, NO_PROBLEM, checkpoint_dir)
+
+    def _start_agreed(self, flag: int, problem: str | None, room_kind: int, checkpoint_dir: str | os.PathLike[str]) -> bool:
+        """Collective, a save's first: one fixed-size all-reduce of every rank's structure flag (0 unchanged, 1
+        changed, _SAVE_CANNOT_START), room problem kind (core.space) and, once replication runs, its votes.
+
+        True: every rank's structure is unchanged. Raises on every rank alike when any rank has a
+        problem: OutOfSpaceError or BaseDirError for a room problem (save_if_room's), else FlashpointError.
+        """
+        self._start_pending = False
+        replication = self._replication if self._replication is not None and self._replication.enabled else None
+        votes, newest = replication.replication_votes() if replication is not None else ([], None)
+        reduced = reduced_ints([flag, room_kind, *votes])
+        self._replication_reduced = (reduced[2:], newest) if replication is not None else None
+        if reduced[0] < _SAVE_CANNOT_START and reduced[1] == NO_PROBLEM:
+            return reduced[0] == 0
+        self._cached_plans = None  # whatever this save leaves, the next one plans afresh
+        if reduced[1] != NO_PROBLEM:  # the room problems alone, as the room check of its own says them
+            try:
+                raise_start_problems(reduced[1], problems_of_every_rank(problem if room_kind != NO_PROBLEM else None))
+            except (OutOfSpaceError, BaseDirError) as exc:
+                self._refusal = exc
+                raise
         failed = problems_of_every_rank(problem)
-        self._cached_plans = None
         raise FlashpointError(f"the flashpoint save to {os.fspath(checkpoint_dir)} cannot start; nothing was "
                               "written and the previous version is intact: " + "; ".join(failed))
 
@@ -309,7 +376,9 @@ class FlashpointSaveStrategy(AsyncSaveShardedStrategy):
         nodes = self._nodes
         replication = self._replication_service(writer.layout.base_dir, nodes.topology)
         # The previous version survives while the newest is not replicated on every rank.
-        writer.keep = replication.keep_for_next_save(self.keep)
+        reduced, self._replication_reduced = self._replication_reduced, None
+        writer.keep = (replication.keep_after_votes(self.keep, *reduced) if reduced is not None and replication.enabled
+                       else replication.keep_for_next_save(self.keep))
         if not reuse_plan:
             self._recipe, self._recipes_dropped = None, 0
         if not (reuse_plan and self._staged_by_recipe(sharded_state_dict, writer)):

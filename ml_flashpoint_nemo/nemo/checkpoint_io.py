@@ -34,13 +34,12 @@ from nemo.utils.callbacks.dist_ckpt_io import AsyncFinalizableCheckpointIO
 
 from ml_flashpoint_nemo.core import capture, lifecycle, remote_objects
 from ml_flashpoint_nemo.core.layout import CheckpointLayout
-from ml_flashpoint_nemo.core.space import check_room_on_every_rank
 from ml_flashpoint_nemo.core.sync_manager import SyncManagerFuture
 from ml_flashpoint_nemo.core.topology import any_rank, problems_of_every_rank
 from ml_flashpoint_nemo.core.versions import read_commit, retire_version
 from ml_flashpoint_nemo.dcp.storage_info import step_of_checkpoint_id
 from ml_flashpoint_nemo.dcp.writer import release_process_savers
-from ml_flashpoint_nemo.errors import BaseDirError, FlashpointError, OutOfSpaceError, TrainerSetupError
+from ml_flashpoint_nemo.errors import BaseDirError, FlashpointError, TrainerSetupError
 from ml_flashpoint_nemo.megatron.async_workers import (
     PersistentWorkerQueue,
     dead_persistent_worker,
@@ -179,21 +178,26 @@ class FlashpointCheckpointIO(AsyncFinalizableCheckpointIO):
     def _save_to_ram(self, checkpoint: dict[str, Any], path: Any, options: dict[str, Any]) -> None:
         step = step_of_checkpoint_id(self.layout, path)
         directory = self.layout.version_dir(step)
-        try:  # collective: a full tmpfs, or a version directory one rank cannot create, skips the save everywhere
-            check_room_on_every_rank(self.layout.base_dir, version_dir=directory)
-        except (OutOfSpaceError, BaseDirError) as exc:
-            logger.error("Flashpoint save of step %d skipped, training continues: %s", step, exc)
-            self.outcomes.append(SaveOutcome(step=step, staging_s=0.0, error=str(exc)))
-            return
         started = time.perf_counter()
-        request = dist_checkpointing.save(
-            sharded_state_dict=checkpoint,
-            checkpoint_dir=str(directory),
-            sharded_strategy=self.save_strategy,
-            validate_access_integrity=not self._validated,
-            async_sharded_save=self._async,
-            content_metadata=options.get("content_metadata"),
-        )
+        strategy = self.save_strategy
+        # Steady: Megatron's save runs no collective before the strategy's first (no integrity validation, a cached
+        # distribution), so the room check rides that all-reduce. A full tmpfs, or a version directory one rank
+        # cannot create, skips the save on every rank.
+        steady = self._validated and getattr(strategy, "cached_distribution", True) is not None
+        request, skipped = self.flashpoint_strategy.save_if_room(
+            lambda: dist_checkpointing.save(
+                sharded_state_dict=checkpoint,
+                checkpoint_dir=str(directory),
+                sharded_strategy=strategy,
+                validate_access_integrity=not self._validated,
+                async_sharded_save=self._async,
+                content_metadata=options.get("content_metadata"),
+            ),
+            self.layout.base_dir, directory, steady=steady)
+        if skipped is not None:
+            logger.error("Flashpoint save of step %d skipped, training continues: %s", step, skipped)
+            self.outcomes.append(SaveOutcome(step=step, staging_s=0.0, error=str(skipped)))
+            return
         self._validated = True
         blocking = time.perf_counter() - started
         if request is None:

@@ -500,9 +500,18 @@ class ReplicationService:
             if self.topology.node_count > 1:
                 self._prune_replicas()  # objects fetched from peers during a recovery still get removed
             return keep
+        votes, newest = self.replication_votes()
+        return self.keep_after_votes(keep, reduced_ints(votes), newest)
+
+    def replication_votes(self) -> tuple[list[int], int | None]:
+        """This rank's part of keep_for_next_save's all-reduce (MAX) and its newest committed step; never raises.
+
+        A save that runs an all-reduce of its own anyway sends these in it (when on) and calls
+        keep_after_votes with the reduced values: the same outcome at no extra collective.
+        """
         newest: int | None = None
         replicated, failed = -1, 0  # -1: nothing replicated yet (or unknown)
-        try:  # nothing here may raise on this rank alone: the others wait in the all-reduce below
+        try:  # nothing here may raise on this rank alone: the others wait in the all-reduce
             committed = committed_steps(self.layout)
             newest = committed[-1] if committed else None
             with self._cv:
@@ -516,8 +525,12 @@ class ReplicationService:
                            "previous version is kept", self.rank, type(exc).__name__, exc)
             newest = -1 if newest is None else newest
             replicated = -1
-        # One fixed-size all-reduce (MAX): the lowest rank's newest replicated step (negated) and any failure.
-        negated_lowest, any_failed = reduced_ints([-replicated, failed])
+        # The lowest rank's newest replicated step (negated, for MAX) and any failure.
+        return [-replicated, failed], newest
+
+    def keep_after_votes(self, keep: int, reduced: list[int], newest: int | None) -> int:
+        """keep_for_next_save's answer from every rank's replication_votes reduced (MAX) and this rank's newest."""
+        negated_lowest, any_failed = reduced
         everywhere = None if negated_lowest == 1 else -negated_lowest
         if self.rank == 0 and any_failed and newest is not None:
             logger.warning("RAM checkpoint step %d is under-replicated: some ranks could not copy their objects to "

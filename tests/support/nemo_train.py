@@ -57,6 +57,11 @@ def main() -> None:
     parser.add_argument("--filler", default=None)
     parser.add_argument("--delay-pushes-of-rank", type=int, default=None,
                         help="this rank starts each replication push 3 s late (a slow peer at the end of training)")
+    parser.add_argument("--slow-copy-s", type=float, default=0.0,
+                        help="each overlapped save's background copy starts this late (a slow copy, injected)")
+    parser.add_argument("--check-versions", action="store_true",
+                        help="each rank records what each save captured (cloned as the save began) and, after "
+                             "training, compares every committed version's object with it bit for bit")
     parser.add_argument("--last-pushes-wait-s", type=float, default=None,
                         help="the job-wide bound on waiting for the last pushes at the end of training")
     args = parser.parse_args()
@@ -165,8 +170,39 @@ def main() -> None:
 
         flashpoint_callback.LAST_PUSHES_WAIT_S = args.last_pushes_wait_s
 
+    captured: dict[int, dict[str, Any]] = {}
+    overlapped: list[int] = []  # steps whose save's copy was still running when the next step began
+    if args.slow_copy_s:
+        from ml_flashpoint_nemo.core import saver as saver_module
+
+        copy = saver_module.background_copy
+
+        def slow_copy(*copy_args: Any) -> None:
+            time.sleep(args.slow_copy_s)  # the fault injected (a slow copy), not a synchronisation
+            copy(*copy_args)
+
+        saver_module.background_copy = slow_copy
+    if args.check_versions:
+        from ml_flashpoint_nemo.core.saver import CheckpointSaver
+
+        stage_object = CheckpointSaver.stage_object
+
+        def recorded(self: Any, step: int, state: Any, **kwargs: Any) -> Any:
+            captured[step] = {k: v.detach().clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
+            return stage_object(self, step, state, **kwargs)
+
+        CheckpointSaver.stage_object = recorded  # type: ignore[method-assign]
+
+    class CopyInFlight(pl.Callback):
+        def on_train_batch_start(self, trainer: Any, *unused: Any) -> None:
+            from ml_flashpoint_nemo.core import capture
+
+            if capture.copies_in_flight():
+                overlapped.append(trainer.global_step)
+
     recorder = tiny_gpt.LossRecorder()
-    callbacks: list[Any] = [recorder] + ([KillAfter()] if args.kill_at else [])
+    callbacks: list[Any] = [recorder] + ([CopyInFlight()] if args.check_versions else [])
+    callbacks += [KillAfter()] if args.kill_at else []
     if args.drain_every:
         callbacks.append(DrainEvents())
     callbacks += [SaveWorkerUp()] if args.save_worker_up else []
@@ -204,6 +240,18 @@ def main() -> None:
                                                     keep=args.keep, session_id="tiny-gpt",
                                                     resume_without_global=args.nvrx_resume_without_global == 1)
     llm.train(tiny_gpt.make_model(), tiny_gpt.make_data(), trainer, log=log, resume=resume)
+    if args.check_versions:
+        from ml_flashpoint_nemo.core import committed_steps, load_version
+        from ml_flashpoint_nemo.core.layout import CheckpointLayout
+
+        versions = {}
+        for step in committed_steps(CheckpointLayout(args.base)):
+            saved = load_version(args.base, step, rank=trainer.global_rank, keys=list(captured[step]))
+            versions[step] = sorted(k for k, v in captured[step].items()
+                                    if not (isinstance(saved[k], torch.Tensor) and saved[k].dtype == v.dtype
+                                            and torch.equal(saved[k].view(v.shape), v)))
+        (Path(args.out) / f"versions-{trainer.global_rank}.json").write_text(
+            json.dumps({"differing": versions, "overlapped": overlapped}))
     if trainer.global_rank != 0:
         return
     decision = getattr(trainer, "_flashpoint_resume", None)

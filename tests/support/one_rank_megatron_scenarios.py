@@ -7,12 +7,13 @@ tests/support/one_rank_sites.py.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import sys
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from ml_flashpoint_nemo.testing import cpu_shims
 
@@ -127,6 +128,62 @@ def nemo_save_when_one_version_dir_cannot_be_made(root: Path) -> str:
     return f"{outcomes_of(io)} {[o.error for o in io.outcomes if o.error]} LOADED 3"
 
 
+def nemo_steady_saves_when_one_rank_cannot_start(root: Path) -> str:
+    """Steady saves fold the room check into the strategy's first all-reduce. Step 2: rank 0 cannot check its
+    room; it joins that all-reduce without calling Megatron's save, so no common.pt, and every rank skips the
+    save. Step 3: rank 0's common.pt write fails (before the strategy runs): every rank raises. Step 5, after a
+    re-planning step 4: one collective in all the blocking part of the save."""
+    import os
+
+    import torch.distributed as torch_dist
+    from megatron.core.dist_checkpointing.strategies.common import TorchCommonSaveStrategy
+
+    p = {"base": str(node_base(root))}
+    collectives: list[str] = []
+    with environment(**{SECRET_ENV: SECRET}):
+        io = ms.nemo_io(p)
+        try:
+            ms.save_through(io, p, 1)
+            io.finalize_flashpoint(blocking=True)
+            with failing_on(0, os, "statvfs", OSError(errno.EIO, "Input/output error")):
+                ms.save_through(io, p, 2)
+            common_2 = (Path(p["base"]) / "step-2" / "common.pt").exists()
+            with failing_on(0, TorchCommonSaveStrategy, "save_common", OSError(errno.ENOSPC, "No space left")):
+                third = attempt("SAVE 3", lambda: ms.save_through(io, p, 3))
+            ms.save_through(io, p, 4)
+            path, state = ms.version_dir(p["base"], 5), ms.sharded_state(5)  # the helpers' own collectives
+            with counting_collectives(torch_dist, collectives):
+                io.save_checkpoint(state, path, storage_options={checkpoint_io.FLASHPOINT_SAVE: True})
+            io.close(finalize=True)
+        finally:
+            io.close(finalize=False)
+    ms.check_loaded(ms.load(p, 5), 5)
+    return (f"{outcomes_of(io)} {[o.error for o in io.outcomes if o.error]} COMMON.PT OF 2 {common_2} {third} "
+            f"COLLECTIVES {collectives} LOADED 5")
+
+
+@contextlib.contextmanager
+def counting_collectives(torch_dist: Any, seen: list[str]) -> Iterator[None]:
+    """Record the name of every torch.distributed collective called while the block runs."""
+    names = ("all_reduce", "all_gather", "all_gather_object", "gather", "gather_object", "broadcast",
+             "broadcast_object_list", "scatter_object_list", "barrier", "reduce_scatter", "all_to_all")
+    originals = {name: getattr(torch_dist, name) for name in names}
+
+    def counted(name: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            seen.append(name)
+            return originals[name](*args, **kwargs)
+        return call
+
+    for name in names:
+        setattr(torch_dist, name, counted(name))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(torch_dist, name, original)
+
+
 def outcomes_of(io: Any) -> str:
     return "OUTCOMES " + " ".join(f"{o.step}:{'failed' if o.error else 'ok'}" for o in io.outcomes)
 
@@ -199,6 +256,7 @@ CASES: dict[str, Case] = {f.__name__: f for f in (
     manager_start_when_one_rank_has_a_bad_timeout,
     load_when_one_nodes_copy_is_damaged,
     nemo_save_when_one_version_dir_cannot_be_made,
+    nemo_steady_saves_when_one_rank_cannot_start,
     nemo_finalize_when_one_rank_cannot_count_the_bytes,
     resume_when_one_rank_cannot_read_the_durable_checkpoint,
     resume_when_the_ranks_see_different_durable_checkpoints,
