@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import pickle
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 from megatron.core.dist_checkpointing.dict_utils import nested_values
@@ -112,48 +112,40 @@ class TensorAwareConversion:
         """Collective: Megatron's sharding check (and fully_parallel's distribution); raises on every rank alike."""
         first = self._checked is None
         self._checked, self._distribution = None, None
-        problem = None
-        try:  # what determine_global_metadata all-gathers: failing to pickle it there would raise on this rank
-            # alone, inside all_gather_object, while the others wait in it; here every rank learns it first
-            pickle.dumps([shard.without_data() for shard in nested_values(converted.sharded_state_dict)])
-        except Exception as exc:  # noqa: BLE001 - every rank learns it below
-            problem = f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"
-        failed = problems_of_every_rank(problem)
-        if failed:
-            raise InvalidShardingError(
-                "the shards' metadata (key, shape, offset, replica id) cannot be pickled for Megatron's sharding "
-                "check; nothing was saved. Fix the values the ranks named report: " + "; ".join(failed)
-            )
-        try:
-            validate_sharding_integrity(
-                determine_global_metadata(converted.sharded_state_dict)[1], common_state_dict=converted.common
-            )
-        except Exception as exc:  # noqa: BLE001 - Megatron raises on rank 0 alone: every rank learns it below
-            problem = f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"
-        failed = problems_of_every_rank(problem)
-        if failed:
-            raise InvalidShardingError(
-                "the sharded state dict to save does not shard its tensors correctly (Megatron's check: each "
-                "tensor's main replicas must cover it exactly once); nothing was saved. Fix the model's or "
-                "optimizer's sharded_state_dict, or the parallel settings: " + "; ".join(failed)
-            )
+        shards = converted.sharded_state_dict
+        # What determine_global_metadata all-gathers, pickled first: failing inside its all_gather_object would
+        # raise on this rank alone while the others wait there.
+        _on_every_rank(lambda: pickle.dumps([shard.without_data() for shard in nested_values(shards)]),
+                       "the shards' metadata (key, shape, offset, replica id) cannot be pickled for Megatron's "
+                       "sharding check; nothing was saved. Fix the values the ranks named report: ")
+        # Megatron raises on rank 0 alone.
+        _on_every_rank(lambda: validate_sharding_integrity(determine_global_metadata(shards)[1],
+                                                           common_state_dict=converted.common),
+                       "the sharded state dict to save does not shard its tensors correctly (Megatron's check: each "
+                       "tensor's main replicas must cover it exactly once); nothing was saved. Fix the model's or "
+                       "optimizer's sharded_state_dict, or the parallel settings: ")
         distribution: Any = None
         if self.algo == "fully_parallel":
-            try:
-                distribution = determine_main_replica_uniform_distribution(
-                    converted.sharded_state_dict, self.parallelization_group, True
-                )
-            except Exception as exc:  # noqa: BLE001 - every rank learns it below
-                problem = f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"
-            failed = problems_of_every_rank(problem)
-            if failed:
-                raise InvalidShardingError(
-                    "choosing which rank saves each replicated shard failed; nothing was saved: " + "; ".join(failed)
-                )
+            distribution = _on_every_rank(
+                lambda: determine_main_replica_uniform_distribution(shards, self.parallelization_group, True),
+                "choosing which rank saves each replicated shard failed; nothing was saved: ")
         self._checked, self._distribution = sharding, distribution
         self.checks += 1
         if not first:
             logger.info("The sharding of the state dict changed since the last local save: checked it again")
+
+
+def _on_every_rank(action: Callable[[], Any], what: str) -> Any:
+    """Collective: action()'s result; if it failed on any rank, InvalidShardingError on every rank (what + each error)."""
+    result, problem = None, None
+    try:
+        result = action()
+    except Exception as exc:  # noqa: BLE001 - every rank learns it below
+        problem = f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"
+    failed = problems_of_every_rank(problem)
+    if failed:
+        raise InvalidShardingError(what + "; ".join(failed))
+    return result
 
 
 __all__ = ["InvalidShardingError", "TensorAwareConversion", "sharding_of"]
