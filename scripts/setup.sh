@@ -35,9 +35,7 @@ if [ -z "$python_bin" ]; then
   if command -v python3.11 >/dev/null 2>&1; then python_bin=python3.11; else python_bin=python3; fi
 fi
 [ -x .venv/bin/python ] || "$python_bin" -m venv .venv
-# --no-compile: Python compiles each module to bytecode when it is first imported, instead of pip compiling all
-# ~26,000 modules of the stack up front (~100 s of one core here; most are never imported).
-pip=(.venv/bin/python -m pip install --disable-pip-version-check --no-compile -q -c requirements/constraints.txt)
+pip=(.venv/bin/python -m pip install --disable-pip-version-check -q -c requirements/constraints.txt)
 
 # torch first and by its exact pin: an unpinned torch would pull a multi-GB CUDA build.
 "${pip[@]}" torch==2.13.0
