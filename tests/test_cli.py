@@ -226,7 +226,8 @@ def test_verify_reports_each_corruption(damaged_base):
     assert "truncated" in versions[3]["problems"][0]["error"]
     assert versions[4]["problems"][0]["rank"] is None and "COMMIT" in versions[4]["problems"][0]["error"]
 
-    assert flashpoint("verify", damaged_base, 1).returncode == 0
+    intact = flashpoint("verify", damaged_base, 1)
+    assert intact.returncode == 0 and "warning:" not in intact.stderr  # a private base: nothing to warn about
     named = flashpoint("verify", damaged_base, "step-2")
     assert named.returncode == 1 and "CORRUPT" in named.stdout and "'b'" in named.stdout
     commit = flashpoint("verify", damaged_base, 4)
@@ -320,8 +321,6 @@ def test_export_refuses_and_verify_warns_when_another_user_could_have_written_th
         assert "warning:" in verified.stderr and "writable by group or others" in verified.stderr
     finally:
         tmp_base.chmod(0o700)
-    assert flashpoint("export", tmp_base, 2, tmp_path / "out").returncode == 0
-    assert "warning:" not in flashpoint("verify", tmp_base).stderr
 
 
 def test_export_two_rank_sharded_dcp_version_round_trips_bit_exact(tmp_base, tmp_path):
