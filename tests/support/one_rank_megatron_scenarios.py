@@ -7,13 +7,12 @@ tests/support/one_rank_sites.py.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import sys
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from ml_flashpoint_nemo.testing import cpu_shims
 
@@ -135,11 +134,13 @@ def nemo_steady_saves_when_one_rank_cannot_start(root: Path) -> str:
     re-planning step 4: one collective in all the blocking part of the save."""
     import os
 
-    import torch.distributed as torch_dist
     from megatron.core.dist_checkpointing.strategies.common import TorchCommonSaveStrategy
 
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from collective_meter import CollectiveMeter
+
     p = {"base": str(node_base(root))}
-    collectives: list[str] = []
+    meter = CollectiveMeter().install()  # counts inside its window only
     with environment(**{SECRET_ENV: SECRET}):
         io = ms.nemo_io(p)
         try:
@@ -152,36 +153,15 @@ def nemo_steady_saves_when_one_rank_cannot_start(root: Path) -> str:
                 third = attempt("SAVE 3", lambda: ms.save_through(io, p, 3))
             ms.save_through(io, p, 4)
             path, state = ms.version_dir(p["base"], 5), ms.sharded_state(5)  # the helpers' own collectives
-            with counting_collectives(torch_dist, collectives):
+            with meter.window("steady save") as window:
                 io.save_checkpoint(state, path, storage_options={checkpoint_io.FLASHPOINT_SAVE: True})
+            collectives = [name for name, stats in window.by_function.items() for _ in range(stats.calls)]
             io.close(finalize=True)
         finally:
             io.close(finalize=False)
     ms.check_loaded(ms.load(p, 5), 5)
     return (f"{outcomes_of(io)} {[o.error for o in io.outcomes if o.error]} COMMON.PT OF 2 {common_2} {third} "
             f"COLLECTIVES {collectives} LOADED 5")
-
-
-@contextlib.contextmanager
-def counting_collectives(torch_dist: Any, seen: list[str]) -> Iterator[None]:
-    """Record the name of every torch.distributed collective called while the block runs."""
-    names = ("all_reduce", "all_gather", "all_gather_object", "gather", "gather_object", "broadcast",
-             "broadcast_object_list", "scatter_object_list", "barrier", "reduce_scatter", "all_to_all")
-    originals = {name: getattr(torch_dist, name) for name in names}
-
-    def counted(name: str) -> Callable[..., Any]:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            seen.append(name)
-            return originals[name](*args, **kwargs)
-        return call
-
-    for name in names:
-        setattr(torch_dist, name, counted(name))
-    try:
-        yield
-    finally:
-        for name, original in originals.items():
-            setattr(torch_dist, name, original)
 
 
 def outcomes_of(io: Any) -> str:
